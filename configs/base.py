@@ -1,0 +1,71 @@
+"""Every field any part of meshlm reads, with its default.
+
+Family files (gpt2.py, ...) start from `base()` and change fields; the command
+line changes them again with `--config.<field>=<value>`. The config is locked,
+so a misspelt field is an error, never a silently ignored setting.
+"""
+
+import ml_collections
+
+
+def base() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.workdir = "runs/default"
+  c.steps = 300
+  c.batch_size = 32  # global batch, in sequences, summed over all devices
+  c.grad_accum = 1  # micro-batches per step, accumulated inside the compiled step
+  c.log_every = 10
+  c.eval_every = 100
+  c.eval_batches = 4
+  c.sample_tokens = 120  # length of the closing text sample; 0 skips it
+  c.sample_prompt = "def "
+  c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
+
+  c.model = ml_collections.ConfigDict()
+  c.model.family = "gpt2"
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.embed_dim = 128
+  c.model.mlp_dim = 512
+  c.model.max_len = 128  # learned positions; also the training sequence length
+  c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
+  c.model.remat = "none"  # none | full | save_dots
+  c.model.attention = "xla"  # xla | cudnn (GPU only)
+
+  c.precision = ml_collections.ConfigDict()
+  c.precision.compute = "bfloat16"  # matmul dtype; params, norms, softmax, loss stay fp32
+  c.precision.params = "float32"  # master weights and optimizer state
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: the devices the other axes leave over
+  c.mesh.pipeline = 1
+  c.mesh.expert = 1
+  c.mesh.sequence = 1
+  c.mesh.tensor = 1
+
+  c.sharding = ml_collections.ConfigDict()
+  c.sharding.zero = 0  # 0: replicated; 1: optimizer state over data; 3: params too (FSDP)
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"  # adamw | adam | sgd | momentum
+  c.optimizer.lr = 1e-3
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.95
+  c.optimizer.eps = 1e-8
+  c.optimizer.momentum = 0.9
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.decay_embeddings = False
+  c.optimizer.decay_1d = False  # biases and norm scales
+  c.optimizer.clip_norm = 1.0  # global-norm clipping; 0 turns it off
+
+  c.schedule = ml_collections.ConfigDict()
+  c.schedule.warmup_steps = 30
+  c.schedule.decay = "cosine"  # cosine | constant
+  c.schedule.final_lr_ratio = 0.1
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "builtin"  # builtin | tokens | synthetic
+  c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py
+  c.data.prefetch = 2  # batches built ahead on a background thread
+  return c

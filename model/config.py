@@ -1,0 +1,45 @@
+"""The frozen model description: everything the model needs, nothing about the run."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  num_layers: int
+  num_heads: int
+  embed_dim: int
+  mlp_dim: int
+  max_len: int
+  vocab_size: int
+  remat: str = "none"  # none | full | save_dots
+  attention: str = "xla"  # xla | cudnn
+  compute_dtype: str = "float32"
+
+  @property
+  def head_dim(self) -> int:
+    return self.embed_dim // self.num_heads
+
+  @property
+  def padded_vocab(self) -> int:
+    return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.compute_dtype)
+
+  def __post_init__(self):
+    if self.embed_dim % self.num_heads:
+      raise ValueError(
+          f"model.embed_dim={self.embed_dim} is not divisible by model.num_heads={self.num_heads}; "
+          "choose heads that divide the width.")
+    if self.remat not in ("none", "full", "save_dots"):
+      raise ValueError(f"model.remat={self.remat!r} is unknown; use none, full or save_dots.")
+    if self.attention not in ("xla", "cudnn"):
+      raise ValueError(f"model.attention={self.attention!r} is unknown; use xla or cudnn.")
+    if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(
+          f"precision.compute={self.compute_dtype!r} is unknown; use float32, bfloat16 or float16.")

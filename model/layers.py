@@ -1,0 +1,41 @@
+"""Parameterised building blocks with logical axis names on every weight."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02  # GPT-2's normal init
+
+
+def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, sharding=axes)
+
+
+def zeros(shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, jnp.float32), sharding=axes)
+
+
+def ones(shape, axes) -> nnx.Param:
+  return nnx.Param(jnp.ones(shape, jnp.float32), sharding=axes)
+
+
+class LayerNorm(nnx.Module):
+  """Pre-LN normalisation, always computed in float32."""
+
+  def __init__(self, dim: int, eps: float = 1e-5):
+    self.scale = ones((dim,), ("embed",))
+    self.bias = zeros((dim,), ("embed",))
+    self.eps = eps
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    x = x_BTD.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...] + self.bias[...]).astype(x_BTD.dtype)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """einsum in the compute dtype, accumulating in float32."""
+  out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+  return out.astype(dtype)

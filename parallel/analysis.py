@@ -1,0 +1,337 @@
+"""Read a compiled XLA program and report the collectives and memory it holds.
+
+Tests and `train.py --dry_run` use this to check what the partitioner really
+did, e.g. that a tensor-parallel layer holds exactly two all-reduces over
+`tensor`, and to set the bytes it moves beside the analytic model.
+
+Device ids in the HLO are positions in the executable's device assignment (the
+flattened mesh under `jax.jit`), not `device.id`: a mesh over a permuted device
+list still prints `{0,1,2,3}`. We map positions to devices through the
+executable (or mesh order, for HLO text), then devices to mesh coordinates.
+
+Replica groups come in three spellings on jax 0.11, all handled here:
+  explicit  replica_groups={{0,1},{2,3}}, source_target_pairs={{0,1},{1,0}}
+  iota      replica_groups=[2,4]<=[8], replica_groups=[4,2]<=[2,4]T(1,0)
+  mesh      replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}, with sub-axes
+            as 'data':(2)2 and a non-iota order as `, device_ids=(...)`.
+The mesh spelling names the axes of the mesh the partitioner saw, which under
+plain `jax.jit` shardings is anonymous (`axis_0`, size-1 axes dropped), so we
+expand every spelling to device groups rather than trust the printed names.
+"""
+
+import collections
+import dataclasses
+import itertools
+import re
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+         "ragged-all-to-all", "collective-permute")
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.+?)\s(" + "|".join(KINDS) + r")(-start)?\(")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|branch_computations|true_computation|"
+    r"false_computation)=(?:\{([^}]*)\}|%?([\w.\-]+))")
+_IOTA = r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+_IOTA_GROUPS = re.compile(rf"replica_groups=({_IOTA})")
+# device_ids, printed only for a non-iota mesh, is an iota or a plain list.
+_MESH_GROUPS = re.compile(
+    rf"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(({_IOTA}|[\d,\s]*)\))?"
+    r"\s*\{([^}]*)\}")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of a compiled program.
+
+  `axes` are the mesh axes along which members of one replica group differ, in
+  mesh order; `group_size` is the devices per group (for collective-permute,
+  the devices one chain of source-target pairs connects). `loop_depth` counts
+  the while loops around the computation it sits in, and `loop_body` names the
+  innermost one's body (None outside loops); a collective in a scanned body is
+  listed once, not once per trip.
+  """
+  kind: str
+  name: str
+  computation: str
+  loop_depth: int
+  loop_body: str | None
+  result_bytes: int
+  axes: tuple[str, ...]
+  group_size: int
+
+  @property
+  def in_loop(self) -> bool:
+    return self.loop_depth > 0
+
+
+def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
+  """Lists the collectives of a compiled program (or its HLO text) over `mesh`.
+
+  Async pairs count once (the `-start`; `-done` is skipped). Raises ValueError
+  on a collective whose replica groups we cannot read, so a new XLA spelling
+  fails loudly instead of vanishing from the counts.
+  """
+  is_text = isinstance(compiled_or_hlo_text, str)
+  text = compiled_or_hlo_text if is_text else compiled_or_hlo_text.as_text()
+  coords = _position_coords(mesh, None if is_text else compiled_or_hlo_text)
+  depth, loop_body, where = _loop_nesting(text)
+  found = []
+  for line_number, line in enumerate(text.splitlines()):
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, result_type, kind, start = match.groups()
+    groups = parse_groups(line, mesh.size)
+    axes = {a for g in groups for a in _differing_axes(g, coords, mesh)}
+    computation = where.get(line_number, "")
+    found.append(Collective(
+        kind=kind, name=name, computation=computation,
+        loop_depth=depth.get(computation, 0),
+        loop_body=loop_body.get(computation),
+        result_bytes=_result_bytes(result_type, kind, bool(start)),
+        axes=tuple(a for a in mesh.axis_names if a in axes),
+        group_size=_group_size(groups, kind)))
+  return found
+
+
+def parse_groups(line: str, num_devices: int) -> list[list[int]]:
+  """Device-position groups of one collective line; pairs for permutes."""
+  if match := _PAIRS.search(line):
+    return [[int(i) for i in p.split(",")]
+            for p in re.findall(r"\{(\d+,\d+)\}", match.group(1))]
+  if match := _MESH_GROUPS.search(line):
+    return _mesh_groups(*match.groups())
+  if match := _IOTA_GROUPS.search(line):
+    return iota_groups(match.group(1))
+  if match := _LIST_GROUPS.search(line):
+    groups = [[int(i) for i in g.split(",") if i.strip()]
+              for g in re.findall(r"\{([\d,\s]*)\}", match.group(1))]
+    # `replica_groups={}` means one group of every device.
+    return groups or [list(range(num_devices))]
+  raise ValueError(f"cannot read the replica groups of: {line.strip()[:200]}")
+
+
+def iota_groups(text: str) -> list[list[int]]:
+  """Expands `[G,S]<=[dims]T(perm)`: iota over dims, transposed, as G groups."""
+  shape, dims, perm = re.fullmatch(
+      r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip()).groups()
+  ids = np.arange(np.prod(_ints(dims))).reshape(_ints(dims))
+  if perm:
+    ids = ids.transpose(_ints(perm))
+  return ids.reshape(_ints(shape)).tolist()
+
+
+def _mesh_groups(mesh_text, device_ids, axes_text) -> list[list[int]]:
+  """Expands `mesh[a=2,b=4] {b}`: devices that differ only along the listed axes."""
+  named = re.findall(r"'?([^'=,\s]+)'?=(\d+)", mesh_text)
+  names, sizes = [n for n, _ in named], [int(s) for _, s in named]
+  if not device_ids:
+    ids = np.arange(np.prod(sizes))
+  elif "<=" in device_ids:
+    ids = np.array(iota_groups(device_ids))
+  else:
+    ids = np.array(_ints(device_ids))
+  ids = ids.reshape(sizes)
+  # A sub-axis 'x':(pre)size is the middle factor of x split major-to-minor as
+  # [pre, size, rest]; a full axis is the sub-axis (1)size(x).
+  grouped = collections.defaultdict(list)
+  for axis_name, pre, size in re.findall(
+      r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?", axes_text):
+    grouped[names.index(axis_name)].append(
+        (int(pre), int(size)) if size else (1, sizes[names.index(axis_name)]))
+  groups = collections.defaultdict(list)
+  for index in itertools.product(*(range(s) for s in sizes)):
+    key = []
+    for axis, coordinate in enumerate(index):
+      for pre, size in grouped.get(axis, ()):
+        rest = sizes[axis] // (pre * size)
+        coordinate -= (coordinate // rest) % size * rest
+      key.append(coordinate)
+    groups[tuple(key)].append(int(ids[index]))
+  return list(groups.values())
+
+
+def _ints(text: str) -> list[int]:
+  return [int(i) for i in re.findall(r"\d+", text)]
+
+
+def _position_coords(mesh, compiled) -> dict[int, tuple[int, ...]]:
+  """Maps each device position in the HLO to its mesh coordinates."""
+  devices = list(mesh.devices.flat)  # What jit assigns over one mesh.
+  try:
+    assigned = list(compiled.runtime_executable().local_devices())
+  except Exception:  # HLO text, or a stage object without an executable.
+    assigned = []
+  # Multi-host executables list only their local devices: keep mesh order.
+  devices = assigned if len(assigned) == mesh.size else devices
+  by_id = {d.id: index for index, d in np.ndenumerate(mesh.devices)}
+  return {position: by_id[d.id] for position, d in enumerate(devices)}
+
+
+def _differing_axes(group, coords, mesh) -> set[str]:
+  """Mesh axes along which the members of one group do not all agree."""
+  members = np.array([coords[i] for i in group])
+  return {mesh.axis_names[a] for a in range(members.shape[1])
+          if len(set(members[:, a])) > 1}
+
+
+def _group_size(groups, kind) -> int:
+  """Devices per replica group; for permutes, the largest chain of pairs."""
+  if kind != "collective-permute":
+    return max(len(g) for g in groups)
+  chain = {}
+  for source, target in groups:
+    joined = chain.get(source, {source}) | chain.get(target, {target})
+    chain.update(dict.fromkeys(joined, joined))
+  return max(map(len, chain.values()), default=1)
+
+
+def _result_bytes(result_type: str, kind: str, is_start: bool) -> int:
+  """Bytes of the result; for async starts, only the output buffer."""
+  text = re.sub(r"\{[^{}]*\}", "", result_type)  # Layouts may hold parens.
+  # all-gather-start and collective-permute-start return (operand, output,
+  # ...): the output is what moves. all-reduce-start returns the output alone.
+  if is_start and kind in ("all-gather", "collective-permute"):
+    depth, parts = 0, [""]
+    for char in text[1:-1]:
+      depth += (char in "([") - (char in ")]")
+      if char == "," and depth == 0:
+        parts.append("")
+      else:
+        parts[-1] += char
+    text = parts[1] if len(parts) > 1 else text
+  return sum(_array_bytes(dtype, _ints(dims))
+             for dtype, dims in re.findall(r"(\w+)\[([^\]]*)\]", text))
+
+
+def _array_bytes(dtype: str, dims: list[int]) -> int:
+  # HLO type names carry their width (s8, bf16, f8e4m3fn, c64), except two.
+  width = re.match(r"[a-z]+(\d+)", dtype)
+  bits = {"pred": 8, "token": 0}.get(dtype) if not width else int(width[1])
+  if bits is None:
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+  # Sub-byte types (s4, f4e2m1fn) pack, so round up.
+  return -(-int(np.prod(dims, dtype=np.int64)) * bits // 8)
+
+
+def _loop_nesting(text: str):
+  """Per computation: while loops around it and the innermost body's name.
+
+  Also returns, per line number, the computation that line sits in.
+  """
+  callees, where, current, entry = {}, {}, None, None
+  for line_number, line in enumerate(text.splitlines()):
+    if line and not line[0].isspace() and line.rstrip().endswith("{") \
+        and not line.startswith("HloModule"):
+      is_entry = line.startswith("ENTRY")
+      current = line.removeprefix("ENTRY").split()[0].lstrip("%")
+      entry = current if is_entry else entry
+      callees[current] = []
+    elif current is not None:
+      where[line_number] = current
+      # A while names its loop by the body, for the condition too.
+      body = re.search(r"\bbody=%?([\w.\-]+)", line)
+      for attribute, listed, single in _CALLEE.findall(line):
+        for callee in re.split(r",\s*", listed) if listed else [single]:
+          is_loop = attribute in ("body", "condition")
+          callees[current].append(
+              (callee.lstrip("%"), is_loop, body.group(1) if is_loop else None))
+  depth, loop_body = {entry: 0}, {}
+  pending = [entry]
+  while pending:  # A worklist: a computation may have several callers.
+    caller = pending.pop()
+    for callee, is_loop, body in callees.get(caller, ()):
+      new_depth = depth[caller] + is_loop
+      if new_depth > depth.get(callee, -1):
+        depth[callee] = new_depth
+        loop_body[callee] = body if is_loop else loop_body.get(caller)
+        pending.append(callee)
+  return depth, loop_body, where
+
+
+def count_by(found, kind=None, axes=None, in_loop=None) -> int:
+  """Counts collectives matching every filter given; `axes` compares as a set."""
+  if isinstance(axes, str):
+    axes = (axes,)
+  return sum(1 for c in found
+             if (kind is None or c.kind == kind)
+             and (axes is None or set(c.axes) == set(axes))
+             and (in_loop is None or c.in_loop == in_loop))
+
+
+def ring_traffic_bytes(collective: Collective) -> int:
+  """Bytes one device sends for this collective under the ring algorithms.
+
+  With N the full buffer size and D the group size: all-reduce 2N(D-1)/D
+  (reduce-scatter then all-gather); all-gather and reduce-scatter N(D-1)/D,
+  N the gathered size, i.e. result bytes for all-gather and result bytes * D
+  for reduce-scatter; all-to-all N(D-1)/D with N its result bytes (each device
+  keeps 1/D of its data); collective-permute N, one send per device. Counted
+  once per instruction, so a collective in a loop body is not multiplied by
+  the trip count.
+  """
+  size, d = collective.result_bytes, collective.group_size
+  if collective.kind == "all-reduce":
+    return 2 * size * (d - 1) // d
+  if collective.kind == "reduce-scatter":
+    return size * (d - 1)
+  if collective.kind == "collective-permute":
+    return size
+  return size * (d - 1) // d
+
+
+def collective_bytes(found, ring: bool = False) -> dict[str, int]:
+  """Total result bytes per kind, or ring traffic per device with `ring`."""
+  totals = collections.Counter()
+  for c in found:
+    totals[c.kind] += ring_traffic_bytes(c) if ring else c.result_bytes
+  return dict(totals)
+
+
+def summary_table(found) -> str:
+  """A text table: count and bytes per (kind, axes, in loop body)."""
+  rows = collections.defaultdict(lambda: [0, 0, 0])
+  for c in found:
+    row = rows[(c.kind, ",".join(c.axes) or "-", "loop" if c.in_loop else "")]
+    row[0] += 1
+    row[1] += c.result_bytes
+    row[2] += ring_traffic_bytes(c)
+  lines = [f"{'kind':<19}{'axes':<22}{'where':<6}{'count':>6}"
+           f"{'result bytes':>15}{'ring bytes':>15}"]
+  for (kind, axes, where), (count, size, ring) in sorted(rows.items()):
+    lines.append(f"{kind:<19}{axes:<22}{where:<6}{count:>6}{size:>15,}{ring:>15,}")
+  return "\n".join(lines)
+
+
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+}
+
+
+def memory_summary(compiled) -> dict[str, int]:
+  """Per-device memory of a compiled program, from `memory_analysis()`.
+
+  `peak_bytes` estimates the live peak as arguments + outputs + temps - aliased
+  (donated inputs reused as outputs). `xla_peak_bytes` is the backend's own
+  figure where it reports one (0 otherwise). Missing fields read as 0, since
+  backends differ in what they fill in and some return no analysis at all.
+  """
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # Some backends raise instead of returning None.
+    stats = None
+  summary = {key: int(getattr(stats, field, 0) or 0)
+             for key, field in _MEMORY_FIELDS.items()}
+  summary["peak_bytes"] = (summary["argument_bytes"] + summary["output_bytes"]
+                           + summary["temp_bytes"] - summary["alias_bytes"])
+  summary["xla_peak_bytes"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+  return summary

@@ -1,0 +1,79 @@
+"""Logical axis names to mesh axes: one ordered table for weights, one for activations.
+
+Weights and activations are looked up apart because under FSDP the weight axis
+`embed` lives on `data` while an activation's `batch` already does; one table
+would put `data` twice in a spec. Within a spec a mesh axis is used once: a
+later logical axis that asks for an axis already taken stays unsharded.
+"""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from model.sharding_hooks import activation_resolver
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+
+ACTIVATION_RULES = (
+    ("batch", (DATA, EXPERT)),  # outside MoE layers expert devices act as data parallel
+    ("length", SEQUENCE),
+    ("heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("mlp", TENSOR),
+    ("vocab", TENSOR),
+    ("expert", EXPERT),
+    ("embed", None),
+    ("head_dim", None),
+)
+
+_WEIGHT_RULES = (
+    ("layers", PIPELINE),
+    ("vocab", TENSOR),
+    ("heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("mlp", TENSOR),
+    ("expert", EXPERT),
+    ("head_dim", None),
+)
+
+def weight_rules(zero: int) -> tuple:
+  """ZeRO-3 (FSDP) shards every weight's `embed` axis over `data`; below that it is replicated."""
+  return _WEIGHT_RULES + (("embed", DATA if zero == 3 else None),)
+
+def optimizer_rules(zero: int) -> tuple:
+  """ZeRO-1 and ZeRO-3 keep Adam's moments in the FSDP layout; ZeRO-0 mirrors the weights."""
+  return weight_rules(3 if zero >= 1 else 0)
+
+def spec(logical_axes, rules) -> P:
+  """The PartitionSpec for a tuple of logical names (None = unsharded)."""
+  table = dict(rules)
+  used, out = set(), []
+  for name in logical_axes:
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise KeyError(f"logical axis {name!r} has no rule; add one to parallel/rules.py.")
+    wanted = table[name]
+    wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted or ())
+    free = tuple(a for a in wanted if a not in used)
+    used.update(free)
+    out.append(free[0] if len(free) == 1 else (free or None))
+  return P(*out)
+
+def shardings(logical_tree, mesh, rules):
+  """NamedShardings for a tree of logical PartitionSpecs (as `nnx.get_partition_spec` gives)."""
+  return jax.tree.map(lambda p: NamedSharding(mesh, spec(tuple(p), rules)), logical_tree,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def activation_sharding(mesh, rules=ACTIVATION_RULES):
+  """While tracing under this context, `constrain` in the model pins activations to the mesh."""
+
+  def resolve(x, logical_axes):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes, rules)))
+
+  return activation_resolver(resolve)
+
+def named(mesh, *logical_axes) -> NamedSharding:
+  """The sharding of an activation-like array (e.g. a batch) with these logical axes."""
+  return NamedSharding(mesh, spec(logical_axes, ACTIVATION_RULES))
+

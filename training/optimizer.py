@@ -1,0 +1,63 @@
+"""Optimizers and learning-rate schedules from `config.optimizer` and `config.schedule` (optax)."""
+
+import jax
+import optax
+
+OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum")
+
+
+def learning_rate(config) -> optax.Schedule:
+  """Linear warmup from 0, then cosine decay to final_lr_ratio * lr (or constant)."""
+  opt, sched = config.optimizer, config.schedule
+  if sched.decay == "constant":
+    after_warmup = optax.constant_schedule(opt.lr)
+  elif sched.decay == "cosine":
+    decay_steps = max(config.steps - sched.warmup_steps, 1)
+    after_warmup = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=sched.final_lr_ratio)
+  else:
+    raise ValueError(f"schedule.decay={sched.decay!r} is unknown; use cosine or constant.")
+  if sched.warmup_steps <= 0:
+    return after_warmup
+  warmup = optax.linear_schedule(0.0, opt.lr, sched.warmup_steps)
+  return optax.join_schedules([warmup, after_warmup], [sched.warmup_steps])
+
+
+def decay_mask(params, config):
+  """True where weight decay applies: matrices, but not embeddings or 1-D weights unless asked.
+
+  A stacked block's leading `layers` axis does not count as a dimension.
+  """
+  opt = config.optimizer
+
+  def decays(path, leaf):
+    keys = [getattr(k, "key", None) for k in path]
+    ndim = len(leaf.shape) - (keys[0] == "blocks")
+    if keys[0] == "embed":
+      return opt.decay_embeddings
+    return ndim >= 2 or opt.decay_1d
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(config, params) -> optax.GradientTransformation:
+  """Clipping (if set) followed by the configured update rule, driven by the schedule."""
+  opt = config.optimizer
+  lr = learning_rate(config)
+  mask = decay_mask(params, config)
+  if opt.name == "adamw":
+    # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
+    rule = optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
+  elif opt.name == "adam":
+    rule = optax.adam(lr, opt.b1, opt.b2, opt.eps)
+  elif opt.name == "adam_l2":
+    # L2 in the loss: the decay term is added to the gradient before Adam rescales it.
+    rule = optax.chain(optax.add_decayed_weights(opt.weight_decay, mask), optax.adam(lr, opt.b1, opt.b2, opt.eps))
+  elif opt.name == "sgd":
+    rule = optax.sgd(lr)
+  elif opt.name == "momentum":
+    rule = optax.sgd(lr, momentum=opt.momentum)
+  else:
+    raise ValueError(f"optimizer.name={opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
+  if opt.clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), rule)
+  return rule

@@ -1,0 +1,100 @@
+"""The train state (params, optimizer state, step) as plain pytrees, and where each leaf lives.
+
+Params are a pure dict of arrays (`nnx.to_pure_dict`): optax, orbax and the
+jitted step see ordinary pytrees, and `nnx.merge(graphdef, params)` rebuilds
+the module inside the trace.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from model.transformer import GPT2
+from parallel import rules
+from parallel.checks import check_divides
+from parallel.mesh import make_mesh
+from training.optimizer import make_optimizer
+
+MODEL_FAMILIES = {"gpt2": GPT2}
+
+
+def model_config(config) -> ModelConfig:
+  """The frozen model description the model sees: `config.model` plus the compute dtype."""
+  m = config.model
+  if m.family not in MODEL_FAMILIES:
+    raise ValueError(f"model.family={m.family!r} is unknown; use one of {', '.join(MODEL_FAMILIES)}.")
+  return ModelConfig(num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
+                     mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
+                     attention=m.attention, compute_dtype=config.precision.compute)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
+  return MODEL_FAMILIES["gpt2"](cfg, nnx.Rngs(params=seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Everything about a run that is fixed before the first step: mesh, model, optimizer, shardings."""
+  mesh: Mesh
+  model: ModelConfig
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  state_shardings: dict
+  batch_sharding: NamedSharding
+  abstract_state: dict
+
+  @property
+  def param_shardings(self):
+    return self.state_shardings["params"]
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+
+def plan(config, devices=None) -> Layout:
+  """Check the config against the mesh and derive every sharding, without allocating arrays."""
+  mesh = make_mesh(config.mesh, devices)
+  cfg = model_config(config)
+  check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
+                zero=config.sharding.zero)
+  # The model stays mesh-agnostic: parameters are created unplaced, and the
+  # shardings below come from their logical names through parallel/rules.py.
+  with nnx.use_eager_sharding(False):
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, config.seed))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+  params_abstract = nnx.to_pure_dict(abstract_params)
+  tx = make_optimizer(config, params_abstract)
+  opt_abstract = jax.eval_shape(tx.init, params_abstract)
+  zero = config.sharding.zero
+  param_shardings = rules.shardings(logical, mesh, rules.weight_rules(zero))
+  moment_shardings = rules.shardings(logical, mesh, rules.optimizer_rules(zero))
+  replicated = NamedSharding(mesh, P())
+  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, moment_shardings,
+                                        transform_non_params=lambda _: replicated)
+  state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+  abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract,
+                    "opt_state": opt_abstract}
+  return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
+                batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state)
+
+
+def init_state(layout: Layout, seed: int) -> dict:
+  """Fresh parameters and optimizer state, created directly in their shardings."""
+
+  def init():
+    with nnx.use_eager_sharding(False):
+      params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params)}
+
+  return jax.jit(init, out_shardings=layout.state_shardings)()
+
+
+def param_count(layout: Layout) -> int:
+  return sum(x.size for x in jax.tree.leaves(layout.abstract_state["params"]))
+

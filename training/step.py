@@ -1,0 +1,71 @@
+"""The compiled train and eval steps: `(state, batch) -> (state, metrics)` under one jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from parallel import rules
+from training.optimizer import learning_rate
+from training.state import Layout
+
+
+def loss_fn(layout: Layout, params, batch) -> jax.Array:
+  model = nnx.merge(layout.graphdef, params)
+  return model(batch["inputs"], batch["targets"])
+
+
+def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
+  """Mean loss and gradients over the batch, accumulated over `grad_accum` micro-batches."""
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(layout, p, b))
+  if grad_accum == 1:
+    return grad_fn(params, batch)
+
+  def split(x_BT):
+    # Micro-batch i takes rows i, i+k, i+2k, ...: every data-parallel shard
+    # holds an equal part of every micro-batch, so splitting moves no data.
+    x_BkT = x_BT.reshape(x_BT.shape[0] // grad_accum, grad_accum, *x_BT.shape[1:])
+    x_kBT = jnp.swapaxes(x_BkT, 0, 1)
+    return jax.lax.with_sharding_constraint(x_kBT, rules.named(layout.mesh, None, "batch", "length"))
+
+  def accumulate(carry, micro_batch):
+    loss_sum, grad_sum = carry
+    loss, grads = grad_fn(params, micro_batch)
+    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
+                                                layout.param_shardings)
+    return (loss_sum + loss, grad_sum), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                         jax.tree.map(split, batch))
+  return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+
+
+def make_train_step(layout: Layout, config):
+  """The jitted step with explicit shardings for every leaf; the incoming state is donated."""
+  schedule = learning_rate(config)
+  grad_accum = config.grad_accum
+
+  def train_step(state, batch):
+    with rules.activation_sharding(layout.mesh):
+      loss, grads = loss_and_grads(layout, state["params"], batch, grad_accum)
+    updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+  batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
+  return jax.jit(train_step, in_shardings=(layout.state_shardings, batch_shardings),
+                 out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0)
+
+
+def make_eval_step(layout: Layout):
+  """Held-out loss for one batch, on the same mesh and shardings as training."""
+
+  def eval_step(params, batch):
+    with rules.activation_sharding(layout.mesh):
+      return loss_fn(layout, params, batch)
+
+  batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
+  return jax.jit(eval_step, in_shardings=(layout.param_shardings, batch_shardings),
+                 out_shardings=layout.replicated())
