@@ -6,15 +6,29 @@
 """
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "gpt2.py:tiny"),
-    "A config file and variant, e.g. configs/gpt2.py:124m; fields by --config.<field>=<value>.",
-    lock_config=True)
+
+def _define_config_flag():
+  try:
+    return config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "gpt2.py:tiny"),
+        "A config file and variant, e.g. configs/gpt2.py:124m; fields by --config.<field>=<value>.",
+        lock_config=True)
+  except (KeyError, AttributeError) as error:
+    # ml_collections checks `--config.<field>` overrides while defining the flag and
+    # raises with a multi-line message; say it in one line instead.
+    unknown = re.findall(r"\w+", str(error))[0]
+    hint = re.search(r'Did you mean \W*"(\w+)', str(error))
+    sys.exit(f"error: the config has no field {unknown!r}"
+             f"{f' (did you mean {hint.group(1)!r}?)' if hint else ''}; configs/base.py lists every field.")
+
+
+_CONFIG = _define_config_flag()
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the step and report memory and collectives; no training.")
 
 
@@ -22,6 +36,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep jax's backend chatter off the console
   from training.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
+  config_file = flags.FLAGS["config"].config_filename.split(":")[0]
+  if not os.path.isfile(config_file):
+    sys.exit(f"error: the config file {config_file!r} does not exist; give one like configs/gpt2.py:tiny.")
   try:
     train(_CONFIG.value, dry_run=_DRY_RUN.value)
   except ValueError as error:
@@ -29,5 +46,14 @@ def main(argv):
     sys.exit(f"error: {error}")
 
 
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    # A config file that refuses its variant raises inside absl's parser, which
+    # prints the whole traceback; the last line holds the sentence that matters.
+    sys.exit(f"error: {str(error).strip().splitlines()[-1].split('Error: ', 1)[-1]}")
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
