@@ -8,15 +8,15 @@ INIT_STD = 0.02  # GPT-2's normal init
 
 
 def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:
-  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, sharding=axes)
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=axes)
 
 
 def zeros(shape, axes) -> nnx.Param:
-  return nnx.Param(jnp.zeros(shape, jnp.float32), sharding=axes)
+  return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes)
 
 
 def ones(shape, axes) -> nnx.Param:
-  return nnx.Param(jnp.ones(shape, jnp.float32), sharding=axes)
+  return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=axes)
 
 
 class LayerNorm(nnx.Module):

@@ -51,7 +51,7 @@ def make_train_step(layout: Layout, config):
       loss, grads = loss_and_grads(layout, state["params"], batch, grad_accum)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}

@@ -1,0 +1,33 @@
+"""Every test runs on 8 simulated CPU devices, set before jax is first imported."""
+
+import os
+
+# The optimisation level trades a little CPU run time for much shorter compiles,
+# which dominate tests of tiny models.
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0"])
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from configs.gpt2 import get_config  # noqa: E402
+
+
+def tiny_config(**overrides):
+  """The tiny GPT-2 made smaller still, in float32, with dotted-path overrides."""
+  c = get_config("tiny")
+  c.model.num_layers, c.model.embed_dim, c.model.mlp_dim, c.model.max_len = 2, 64, 256, 32
+  c.batch_size, c.steps, c.schedule.warmup_steps = 16, 10, 2
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_devices():
+  assert jax.device_count() == 8, "tests expect 8 simulated devices; was jax imported before conftest?"

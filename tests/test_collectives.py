@@ -1,0 +1,67 @@
+"""The compiled programs hold the collectives each layout promises (read off the HLO)."""
+
+import collections
+
+import jax
+
+from conftest import tiny_config
+from parallel import analysis, rules
+from parallel.mesh import DATA, TENSOR
+from training.dry_run import abstract_inputs, compile_train_step
+from training.state import param_count, plan
+from training.step import loss_fn
+
+
+def compiled_forward(layout, config):
+  state, batch = abstract_inputs(layout, config)
+
+  def forward(params, batch):
+    with rules.activation_sharding(layout.mesh):
+      return loss_fn(layout, params, batch)
+
+  return jax.jit(forward).lower(state["params"], batch).compile()
+
+
+def tensor_all_reduces_per_loop(found):
+  per_loop = collections.Counter(c.loop_body for c in found
+                                 if c.kind == "all-reduce" and c.axes == (TENSOR,) and c.in_loop)
+  return sorted(per_loop.values())
+
+
+def test_tensor_parallel_forward_has_two_all_reduces_per_layer():
+  # Megatron-LM: column-parallel QKV/up need nothing, row-parallel out/down end in one all-reduce each.
+  for layers in (2, 4):
+    config = tiny_config(**{"mesh.data": 2, "mesh.tensor": 4, "model.num_layers": layers})
+    layout = plan(config)
+    found = analysis.collectives(compiled_forward(layout, config), layout.mesh)
+    assert tensor_all_reduces_per_loop(found) == [2], analysis.summary_table(found)
+
+
+def test_tensor_parallel_step_has_two_all_reduces_per_layer_each_way():
+  config = tiny_config(**{"mesh.data": 2, "mesh.tensor": 4})
+  layout = plan(config)
+  found = analysis.collectives(compile_train_step(layout, config), layout.mesh)
+  # One scanned loop forward, one backward: two all-reduces over `tensor` in each.
+  assert tensor_all_reduces_per_loop(found) == [2, 2], analysis.summary_table(found)
+
+
+def test_data_parallel_step_reduces_every_gradient():
+  config = tiny_config(**{"mesh.data": 8})
+  layout = plan(config)
+  found = analysis.collectives(compile_train_step(layout, config), layout.mesh)
+  assert {(c.kind, c.axes) for c in found} == {("all-reduce", (DATA,))}, analysis.summary_table(found)
+  # A reduction inside the backward loop runs once per layer.
+  reduced = sum(c.result_bytes * (config.model.num_layers if c.in_loop else 1) for c in found)
+  gradient_bytes = 4 * param_count(layout)
+  # The tied embedding is used twice (lookup and head); XLA may reduce each use's gradient apart.
+  tied_embedding_bytes = 4 * layout.model.padded_vocab * layout.model.embed_dim
+  assert gradient_bytes <= reduced <= gradient_bytes + tied_embedding_bytes + 64, (
+      analysis.summary_table(found))
+
+
+def test_fsdp_gathers_weights_over_data():
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
+  layout = plan(config)
+  found = analysis.collectives(compiled_forward(layout, config), layout.mesh)
+  assert analysis.count_by(found, kind="all-gather", axes=DATA, in_loop=True) >= 1, (
+      analysis.summary_table(found))
