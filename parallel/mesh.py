@@ -26,7 +26,7 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
     if device_count % fixed:
       raise ValueError(
           f"mesh {_describe(sizes)} cannot fill {device_count} devices: the fixed axes multiply "
-          f"to {fixed}, which does not divide {device_count}.")
+          f"to {fixed}, and {fixed} does not divide {device_count}.")
     sizes[fills[0]] = device_count // fixed
   if math.prod(sizes.values()) != device_count:
     raise ValueError(

@@ -21,6 +21,7 @@ LAYOUTS = {
     "zero1 data=2 x tensor=2": {"mesh.data": 2, "mesh.tensor": 2, "sharding.zero": 1},
     "data=2 x expert=2 x tensor=2": {"mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2},
     "fsdp data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
+    "data=4 x sequence=2": {"mesh.data": 4, "mesh.sequence": 2},
 }
 DEVICES_USED = {"zero1 data=2 x tensor=2": 4}
 
