@@ -21,6 +21,18 @@ def base() -> ml_collections.ConfigDict:
   c.sample_tokens = 120  # length of the closing text sample; 0 skips it
   c.sample_prompt = "def "
   c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
+  c.resume = "auto"  # auto: from the workdir's latest checkpoint | never | a step number
+  c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 100  # steps between async saves; the last step is always saved
+  c.checkpoint.keep = 3  # the newest k are kept
+
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.initialize = "auto"  # auto: when TPU pod or SLURM variables say so | yes | no
+  c.distributed.coordinator = ""  # host:port of process 0; empty lets jax detect it
+  c.distributed.num_processes = 0  # 0: detect
+  c.distributed.process_id = -1  # -1: detect
 
   c.model = ml_collections.ConfigDict()
   c.model.family = "gpt2"

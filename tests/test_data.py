@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools import prepare
-from training import data, tokenizer
+from training import data, token_files, tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 B, T = 8, 16
@@ -162,7 +162,7 @@ def test_prepare_round_trips_a_folder(tmp_path):
   with pytest.raises(ValueError, match="already holds a prepared dataset"):
     prepare.prepare(tmp_path / "text", tmp_path / "out")
   prepare.prepare(tmp_path / "text", tmp_path / "out", val_fraction=0.0, overwrite=True)
-  assert data.read_meta(tmp_path / "out")["val_tokens"] == 0
+  assert token_files.read_meta(tmp_path / "out")["val_tokens"] == 0
   (tmp_path / "binary").mkdir()
   (tmp_path / "binary" / "e.bin").write_bytes(b"\0")
   with pytest.raises(ValueError, match="holds no text files"):

@@ -6,7 +6,7 @@ Reads every file under --input whose suffix is in TEXT_SUFFIXES (recursively, so
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD.
 Each file is one document, followed by the tokenizer's end-of-text: a newline for `byte`,
 <|endoftext|> for `gpt2`. The last --val_fraction of the tokens is the val split. Writes
-train.bin, val.bin and meta.json (format: training/data.py), each whole or not at all.
+train.bin, val.bin and meta.json (format: training/token_files.py), each whole or not at all.
 """
 
 import sys
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from training import data, tokenizer  # pylint: disable=wrong-import-position
+from training import token_files, tokenizer  # pylint: disable=wrong-import-position
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.
@@ -51,7 +51,7 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
   files = text_files(input_dir, skip=output_dir)
   if not files:
     raise ValueError(f"{input_dir} holds no text files ({' '.join(sorted(TEXT_SUFFIXES))}).")
-  existing = [name for name in data.FOLDER_FILES if (output_dir / name).exists()]
+  existing = [name for name in token_files.FOLDER_FILES if (output_dir / name).exists()]
   if existing and not overwrite:
     raise ValueError(f"{output_dir} already holds a prepared dataset ({', '.join(existing)}); "
                      "pass --overwrite to replace it.")
@@ -61,7 +61,7 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
   chunks = (np.concatenate([tok.encode(path.read_bytes().decode("utf-8", errors="replace")),
                             separator])
             for path in files)
-  meta = data.write_token_folder(output_dir, chunks, tokenizer=tok.name,
+  meta = token_files.write_token_folder(output_dir, chunks, tokenizer=tok.name,
                                  vocab_size=tok.vocab_size, val_fraction=val_fraction)
   return len(files), meta
 

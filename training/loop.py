@@ -1,4 +1,4 @@
-"""The training loop: plan the layout, build state, step, log, evaluate, sample."""
+"""The training loop: plan the layout, resume or initialise, step, log, evaluate, checkpoint, sample."""
 
 import time
 
@@ -6,8 +6,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from parallel import distributed
 from training import data, metrics
-from training.dry_run import report
+from training.checkpoint import Checkpoints
+from training.dry_run import abstract_inputs, report
+from training.preemption import StopRequests
 from training.sample import generate
 from training.state import init_state, param_count, plan
 from training.step import make_eval_step, make_train_step
@@ -16,22 +19,55 @@ from training.tokenizer import load_tokenizer
 
 def train(config, dry_run: bool = False) -> dict:
   """Train per `config`; returns the last logged metrics (and the final eval loss, if any)."""
+  distributed.initialize(config.distributed)
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
-  seq_len = layout.model.max_len
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
+  if config.nonfinite not in ("skip", "stop"):
+    raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use skip or stop.")
   if dry_run:
     text = report(layout, config)
-    print(text)
+    _log(text)
     return {"report": text}
 
-  state = init_state(layout, config.seed)
+  checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
+  start = _resume_step(checkpoints, config.resume)
+  if start is None:
+    state = init_state(layout, config.seed)
+  else:
+    state = checkpoints.restore(start, abstract_inputs(layout, config)[0])
+    _log(f"resuming from step {start} in {checkpoints.directory}")
+  try:
+    return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split)
+  finally:
+    checkpoints.close()
+
+
+def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
+  """The step to restore, or None for a fresh start; refuses to start over saved work."""
+  steps = checkpoints.steps()
+  if resume == "never":
+    if steps:
+      raise ValueError(f"{checkpoints.directory} already holds checkpoints up to step {steps[-1]} and "
+                       "resume=never would write over them; resume with --config.resume=auto or "
+                       "choose another --config.workdir.")
+    return None
+  if resume == "auto":
+    return steps[-1] if steps else None
+  if not resume.isdigit() or int(resume) not in steps:
+    raise ValueError(f"resume={resume!r} names no checkpoint in {checkpoints.directory} "
+                     f"(it holds steps {steps}); use auto, never or one of those steps.")
+  return int(resume)
+
+
+def _run(config, layout, state, start, checkpoints, train_split, val_split) -> dict:
+  seq_len = layout.model.max_len
   train_step, eval_step = make_train_step(layout, config), make_eval_step(layout)
   flops_token = metrics.flops_per_token(layout.model, param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
-  writer = metrics.MetricsWriter(config.workdir)
+  writer = metrics.MetricsWriter(config.workdir, after_step=start)
   _log(f"training {param_count(layout):,} parameters on {layout.mesh.size} devices, "
-       f"mesh {dict(layout.mesh.shape)}, writing to {config.workdir}")
+       f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
   def evaluate(params) -> float:
     losses = [eval_step(params, data.global_batch(val_split, seed=config.seed, step=i,
@@ -40,31 +76,46 @@ def train(config, dry_run: bool = False) -> dict:
               for i in range(config.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
-  last, pending, interval_start = {}, None, time.perf_counter()
+  last, interval_start, interval_from = {}, time.perf_counter(), start
   tokens_per_step = config.batch_size * seq_len
-  batches = data.batches(train_split, seed=config.seed, start=0, stop=config.steps,
+  batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                          batch_size=config.batch_size, seq_len=seq_len,
                          sharding=layout.batch_sharding, depth=config.data.prefetch)
-  with batches, tqdm(total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
+  with batches, StopRequests() as stop, tqdm(initial=start, total=config.steps,
+                                             disable=jax.process_index() != 0, leave=False) as bar:
     for step, batch in batches:
       state, pending = train_step(state, batch)  # metrics stay on device until a log step
       bar.update(1)
       done = step + 1
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(pending)
-        elapsed = time.perf_counter() - interval_start
-        steps_in_interval = done - last.get("step", 0)
-        tokens_per_sec = steps_in_interval * tokens_per_step / elapsed
+        tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
-                "mfu": metrics.mfu(tokens_per_sec, flops_token, peak)}
+                "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
+                "skipped": int(fetched["skipped"])}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         bar.write(_format(last))
-        interval_start = time.perf_counter()
+        interval_start, interval_from = time.perf_counter(), done
+        if last["skipped"] and config.nonfinite == "stop":
+          checkpoints.save(done, state, config, force=True)
+          checkpoints.wait()
+          raise ValueError(f"step {done}: {last['skipped']} update(s) had a non-finite loss or "
+                           f"gradient and were not applied; the last good state is saved as step "
+                           f"{done}. Lower optimizer.lr or set nonfinite=skip.")
       if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
         last["eval_loss"] = evaluate(state["params"])
         writer.write(done, {"eval_loss": last["eval_loss"]})
         bar.write(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
+      checkpoints.save(done, state, config, force=done == config.steps)
+      if stop.requested(done, config.log_every):
+        checkpoints.save(done, state, config, force=True)
+        checkpoints.wait()
+        writer.close()
+        _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
+             "run the same command to resume.")
+        return last
+  checkpoints.wait()
   writer.close()
   if config.sample_tokens:
     _log("sample: " + _sample(layout, state["params"], config, train_split.tokenizer))
@@ -80,8 +131,9 @@ def _sample(layout, params, config, tokenizer_name: str) -> str:
 
 def _format(m: dict) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+  skipped = f"  skipped {m['skipped']}" if m["skipped"] else ""
   return (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-          f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}")
+          f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}")
 
 
 def _log(line: str) -> None:

@@ -42,12 +42,15 @@ class MetricsWriter:
   Only process 0 writes, so a multi-host run leaves one copy.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, after_step: int = 0):
     self.active = jax.process_index() == 0
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if after_step:
+      _drop_records_after(path, after_step)
+    self._jsonl = open(path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -64,3 +67,14 @@ class MetricsWriter:
     if self.active:
       self._jsonl.close()
       self._tensorboard.close()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+  """A resumed run recomputes the steps after its checkpoint; their old records give way."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(kept)
+  os.replace(path + ".tmp", path)

@@ -1,4 +1,4 @@
-"""The train state (params, optimizer state, step) as plain pytrees, and where each leaf lives.
+"""The train state (step, params, optimizer state, skipped-update count) as plain pytrees, and where each leaf lives.
 
 Params are a pure dict of arrays (`nnx.to_pure_dict`): optax, orbax and the
 jitted step see ordinary pytrees, and `nnx.merge(graphdef, params)` rebuilds
@@ -77,9 +77,11 @@ def plan(config, devices=None) -> Layout:
   replicated = NamedSharding(mesh, P())
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, moment_shardings,
                                         transform_non_params=lambda _: replicated)
-  state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
-  abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract,
-                    "opt_state": opt_abstract}
+  state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
+                     "skipped": replicated}
+  counter = jax.ShapeDtypeStruct((), jnp.int32)
+  abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
+                    "skipped": counter}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state)
 
@@ -90,7 +92,8 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params)}
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+            "skipped": jnp.zeros((), jnp.int32)}
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
 

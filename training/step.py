@@ -49,10 +49,19 @@ def make_train_step(layout: Layout, config):
   def train_step(state, batch):
     with rules.activation_sharding(layout.mesh):
       loss, grads = loss_and_grads(layout, state["params"], batch, grad_accum)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+    # A non-finite loss or gradient never reaches the weights: the update is
+    # dropped and counted, and the loop applies config.nonfinite to the count.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
+                 "opt_state": keep_finite(opt_state, state["opt_state"]),
+                 "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "skipped": new_state["skipped"]}
+    return new_state, metrics
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
   return jax.jit(train_step, in_shardings=(layout.state_shardings, batch_shardings),

@@ -1,0 +1,83 @@
+"""Orbax checkpoints: async saves, the last k kept, exact resume, and restore onto any mesh.
+
+A checkpoint holds the whole train state (params, optimizer state, step, the
+count of skipped non-finite updates) and the config as JSON. Data needs no
+iterator state: batch `s` is a pure function of (seed, s), and the seed is in
+the config. Orbax writes each step into a temporary folder and renames it when
+complete, so a run killed mid-save leaves the previous checkpoint readable.
+"""
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+  """The checkpoints of one workdir."""
+
+  def __init__(self, workdir: str, *, every: int, keep: int):
+    self.directory = Path(workdir).resolve() / "checkpoints"
+    options = ocp.CheckpointManagerOptions(save_interval_steps=max(every, 1), max_to_keep=keep,
+                                           create=False, enable_async_checkpointing=True)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state, config, *, force: bool = False) -> None:
+    """Start an async save when `step` is due (or forced); returns once the arrays are copied."""
+    self.directory.mkdir(parents=True, exist_ok=True)
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      config=ocp.args.JsonSave(config.to_dict())),
+                       force=force)
+
+  def restore(self, step: int, abstract_state):
+    """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
+    where = f"checkpoint step {step} in {self.directory}"
+    try:
+      stored = self._manager.item_metadata(step)["state"]
+    except Exception as error:  # orbax raises many kinds; all mean the same to the user
+      raise ValueError(f"{where} cannot be read ({_first_line(error)}); it was left untouched.") from None
+    _check_same_shapes(stored, abstract_state, where)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))
+    except Exception as error:
+      raise ValueError(f"{where} cannot be read ({_first_line(error)}); it was left untouched.") from None
+    return restored["state"]
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def _check_same_shapes(stored, abstract_state, where: str) -> None:
+  """Refuse a checkpoint of another model shape, naming the first leaf that differs."""
+  stored_leaves, wanted_leaves = _leaves_by_name(stored), _leaves_by_name(abstract_state)
+  if stored_leaves.keys() != wanted_leaves.keys():
+    extra = sorted(stored_leaves.keys() - wanted_leaves.keys())
+    missing = sorted(wanted_leaves.keys() - stored_leaves.keys())
+    raise ValueError(f"{where} holds a different model (missing {missing[:3]}, unexpected "
+                     f"{extra[:3]}); use the config it was written with or another workdir.")
+  for name, wanted in wanted_leaves.items():
+    if tuple(stored_leaves[name].shape) != tuple(wanted.shape):
+      raise ValueError(f"{where} holds {name} with shape {tuple(stored_leaves[name].shape)}, but "
+                       f"this config needs {tuple(wanted.shape)}; use the config it was written "
+                       "with or another workdir.")
+
+
+def _leaves_by_name(tree) -> dict:
+  """Leaves keyed by a path string that reads the same for a namedtuple and the dict orbax stores."""
+  def name(path):
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return {name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"[:200]

@@ -1,0 +1,46 @@
+"""SIGTERM and SIGINT end a run cleanly: finish the step, save, exit 0."""
+
+import signal
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequests:
+  """Records a stop signal; the loop asks after every step whether to stop there."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in _SIGNALS:
+      self._previous[sig] = signal.signal(sig, self._record)
+    return self
+
+  def __exit__(self, *exc_info):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def _record(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def requested(self, step: int, every: int) -> bool:
+    """Whether to stop after `step`.
+
+    One process decides alone. Several must stop at the same step or the
+    checkpoint's collectives would hang, so they agree on it every `every`
+    steps (a host all-gather each time: cheap beside `every` train steps).
+    """
+    if jax.process_count() == 1:
+      return self.signal_name is not None
+    if step % every:
+      return False
+    votes = multihost_utils.process_allgather(np.int32(self.signal_name is not None))
+    if votes.any() and self.signal_name is None:
+      self.signal_name = "a signal to another process"
+    return bool(votes.any())

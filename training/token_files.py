@@ -1,0 +1,89 @@
+"""The on-disk token format, shared by tools/prepare.py, the built-in corpus and the loader.
+
+A folder holds train.bin and val.bin (flat little-endian token ids, uint16 when
+the vocabulary fits, else uint32) and meta.json naming the tokenizer and counts.
+"""
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+FOLDER_FILES = ("train.bin", "val.bin", "meta.json")  # in the order they are replaced
+META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
+PREPARE_COMMAND = "python tools/prepare.py --input TEXT_DIR --output {}"
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """Little-endian uint16 when every id fits, else uint32."""
+  return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
+                       val_fraction: float, extra_meta: dict | None = None) -> dict:
+  """Streams token chunks into train.bin / val.bin / meta.json; returns the meta."""
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  dtype = token_dtype(vocab_size)
+  # Unique temp names: concurrent writers (processes on one host, or hosts sharing a
+  # file system) never share a half-written file; os.replace makes each appear whole.
+  run_id = uuid.uuid4().hex
+  temps = {name: folder / f"{name}.tmp-{run_id}" for name in FOLDER_FILES}
+  try:
+    total = 0
+    with open(temps["train.bin"], "wb") as out:
+      for chunk in token_chunks:
+        out.write(np.asarray(chunk).astype(dtype).tobytes())
+        total += len(chunk)
+    val_tokens = int(round(total * val_fraction))
+    train_tokens = total - val_tokens
+    # Copy the tail to val.bin, then cut it off: the train tokens are written only once.
+    with open(temps["train.bin"], "rb") as everything, open(temps["val.bin"], "wb") as val:
+      everything.seek(train_tokens * dtype.itemsize)
+      shutil.copyfileobj(everything, val)
+    os.truncate(temps["train.bin"], train_tokens * dtype.itemsize)
+    meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=dtype.name,
+                train_tokens=train_tokens, val_tokens=val_tokens, **(extra_meta or {}))
+    temps["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
+    for name, temp in temps.items():  # meta.json last: it vouches for the .bin files
+      os.replace(temp, folder / name)
+    return meta
+  finally:
+    for temp in temps.values():
+      temp.unlink(missing_ok=True)
+
+
+def read_meta(folder) -> dict:
+  """The folder's meta.json, or one clear ValueError saying how to make a good one."""
+  folder = Path(folder)
+  command = PREPARE_COMMAND.format(folder)
+  if not folder.is_dir():
+    raise ValueError(f"Data folder {folder} does not exist; create it with `{command}`.")
+  meta_path = folder / "meta.json"
+  try:
+    meta = json.loads(meta_path.read_text())
+  except (OSError, ValueError):
+    raise ValueError(f"{meta_path} is missing or not valid JSON; recreate the folder with "
+                     f"`{command} --overwrite`.") from None
+  if (not isinstance(meta, dict) or any(key not in meta for key in META_KEYS)
+      or meta["dtype"] not in ("uint16", "uint32")):
+    raise ValueError(f"{meta_path} does not hold {list(META_KEYS)} with dtype uint16 or "
+                     f"uint32; recreate the folder with `{command} --overwrite`.")
+  return meta
+
+
+def open_tokens(folder, split: str) -> np.ndarray:
+  """The split's token ids as a read-only memmap, checked against meta.json."""
+  folder = Path(folder)
+  meta = read_meta(folder)
+  path, count = folder / f"{split}.bin", meta[f"{split}_tokens"]
+  dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+  if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
+    raise ValueError(f"{path} is missing or does not hold the {count} tokens its meta.json "
+                     f"promises; recreate the folder with `{PREPARE_COMMAND.format(folder)} "
+                     "--overwrite`.")
+  if count == 0:
+    return np.zeros(0, dtype)  # np.memmap refuses empty files
+  return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
