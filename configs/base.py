@@ -25,7 +25,7 @@ def base() -> ml_collections.ConfigDict:
   c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 100  # steps between async saves; the last step is always saved
+  c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved
   c.checkpoint.keep = 3  # the newest k are kept
 
   c.distributed = ml_collections.ConfigDict()

@@ -18,8 +18,9 @@ class Checkpoints:
 
   def __init__(self, workdir: str, *, every: int, keep: int):
     self.directory = Path(workdir).resolve() / "checkpoints"
-    options = ocp.CheckpointManagerOptions(save_interval_steps=max(every, 1), max_to_keep=keep,
-                                           create=False, enable_async_checkpointing=True)
+    self.every = every
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
+                                           enable_async_checkpointing=True)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
@@ -29,10 +30,14 @@ class Checkpoints:
 
   def save(self, step: int, state, config, *, force: bool = False) -> None:
     """Start an async save when `step` is due (or forced); returns once the arrays are copied."""
+    # The schedule is decided here, not by orbax, whose default also saves the first step.
+    due = force or (self.every > 0 and step % self.every == 0)
+    if not due or step == self._manager.latest_step():
+      return
     self.directory.mkdir(parents=True, exist_ok=True)
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       config=ocp.args.JsonSave(config.to_dict())),
-                       force=force)
+                       force=True)
 
   def restore(self, step: int, abstract_state):
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
@@ -64,7 +69,8 @@ def _check_same_shapes(stored, abstract_state, where: str) -> None:
     missing = sorted(wanted_leaves.keys() - stored_leaves.keys())
     raise ValueError(f"{where} holds a different model (missing {missing[:3]}, unexpected "
                      f"{extra[:3]}); use the config it was written with or another workdir.")
-  for name, wanted in wanted_leaves.items():
+  for name in sorted(wanted_leaves, key=lambda n: not n.startswith("params")):  # name weights first
+    wanted = wanted_leaves[name]
     if tuple(stored_leaves[name].shape) != tuple(wanted.shape):
       raise ValueError(f"{where} holds {name} with shape {tuple(stored_leaves[name].shape)}, but "
                        f"this config needs {tuple(wanted.shape)}; use the config it was written "

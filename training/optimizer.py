@@ -40,7 +40,7 @@ def decay_mask(params, config):
 
 
 def make_optimizer(config, params) -> optax.GradientTransformation:
-  """Clipping (if set) followed by the configured update rule, driven by the schedule."""
+  """Global-norm clipping followed by the configured update rule, driven by the schedule."""
   opt = config.optimizer
   lr = learning_rate(config)
   mask = decay_mask(params, config)
@@ -58,6 +58,6 @@ def make_optimizer(config, params) -> optax.GradientTransformation:
     rule = optax.sgd(lr, momentum=opt.momentum)
   else:
     raise ValueError(f"optimizer.name={opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
-  if opt.clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), rule)
-  return rule
+  # Clipping is always in the chain (at an infinite norm when off), so a checkpoint's
+  # optimizer state has the same structure whatever the clipping setting.
+  return optax.chain(optax.clip_by_global_norm(opt.clip_norm if opt.clip_norm > 0 else float("inf")), rule)
