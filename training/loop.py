@@ -95,7 +95,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
                 "skipped": int(fetched["skipped"])}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
-        bar.write(_format(last))
+        _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
         if last["skipped"] and config.nonfinite == "stop":
           checkpoints.save(done, state, config, force=True)
@@ -106,7 +106,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
       if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
         last["eval_loss"] = evaluate(state["params"])
         writer.write(done, {"eval_loss": last["eval_loss"]})
-        bar.write(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
+        _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
       if stop.requested(done, config.log_every):
         checkpoints.save(done, state, config, force=True)
@@ -138,4 +138,4 @@ def _format(m: dict) -> str:
 
 def _log(line: str) -> None:
   if jax.process_index() == 0:  # one console per run, however many hosts
-    print(line, flush=True)
+    tqdm.write(line)  # above the progress bar, which stays at the bottom

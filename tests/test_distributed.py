@@ -1,0 +1,87 @@
+"""Two processes on localhost, 4 CPU devices each, train like one process with 8 devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from conftest import tiny_config
+from parallel.distributed import wants_distributed
+from training.checkpoint import Checkpoints
+from training.dry_run import abstract_inputs
+from training.loop import train
+from training.state import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = {"data=8": {"mesh.data": 8}, "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
+RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def two_process_run(workdir, layout):
+  port = free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+             "--xla_backend_optimization_level=0")
+  flags = [f"--config.{k}={v}" for k, v in {**RUN, **LAYOUTS[layout]}.items()]
+  flags += ["--config.model.embed_dim=64", "--config.model.mlp_dim=256", "--config.model.max_len=32",
+            "--config.batch_size=16", "--config.schedule.warmup_steps=2", f"--config.workdir={workdir}",
+            f"--config.distributed.coordinator=localhost:{port}", "--config.distributed.num_processes=2"]
+  processes = [subprocess.Popen([sys.executable, "train.py", *flags, f"--config.distributed.process_id={i}"],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(2)]
+  outputs = [p.communicate(timeout=300) for p in processes]
+  for process, (_, err) in zip(processes, outputs):
+    assert process.returncode == 0, err[-3000:]
+  return [out for out, _ in outputs]
+
+
+def logged(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_params(workdir, config):
+  checkpoints = Checkpoints(str(workdir), every=4, keep=3)
+  state = checkpoints.restore(4, abstract_inputs(plan(config), config)[0])
+  checkpoints.close()
+  return jax.device_get(state["params"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_match_one(layout, tmp_path):
+  outputs = two_process_run(tmp_path / "two", layout)
+  config = tiny_config(**{**RUN, **LAYOUTS[layout], "workdir": str(tmp_path / "one")})
+  train(config)
+  two, one = logged(tmp_path / "two"), logged(tmp_path / "one")
+  assert [r["step"] for r in two] == [1, 2, 3, 4]  # process 0 alone writes metrics
+  np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+  assert "step      1" in outputs[0] and "step" not in outputs[1]  # and alone logs
+  for a, b in zip(jax.tree.leaves(final_params(tmp_path / "two", config)),
+                  jax.tree.leaves(final_params(tmp_path / "one", config))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clusters_are_detected_from_the_environment(monkeypatch):
+  auto = ConfigDict({"initialize": "auto", "coordinator": "", "num_processes": 0, "process_id": -1})
+  for name in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(name, raising=False)
+  assert not wants_distributed(auto)
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert not wants_distributed(auto)
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert wants_distributed(auto)
+  monkeypatch.delenv("SLURM_NTASKS")
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")
+  assert wants_distributed(auto)
+  auto.initialize = "no"
+  assert not wants_distributed(auto)
