@@ -56,6 +56,11 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.sequence = 1
   c.mesh.tensor = 1
 
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved; used when mesh.pipeline > 1
+  c.pipeline.microbatches = 4  # M: the bubble is (P - 1) / (M + P - 1)
+  c.pipeline.virtual_stages = 2  # V: layer chunks per device for `interleaved`
+
   c.sharding = ml_collections.ConfigDict()
   c.sharding.zero = 0  # 0: replicated; 1: optimizer state over data; 3: params too (FSDP)
 

@@ -15,6 +15,7 @@ from model.mlp import Mlp
 from model.sharding_hooks import constrain
 
 ACTIVATION_AXES = ("batch", "length", "embed")
+STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
 
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block in the backward pass
@@ -79,8 +80,10 @@ class GPT2(nnx.Module):
   def head_loss(self, x_BTD: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
     logprobs_BTV = jax.nn.log_softmax(self.logits(x_BTD), axis=-1)
-    target_logprob_BT = jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return -target_logprob_BT.mean()
+    # A one-hot contraction rather than a gather: with `vocab` sharded it is a
+    # local product and one reduction, which every partitioner handles.
+    targets_BTV = jax.nn.one_hot(targets_BT, self.cfg.padded_vocab, dtype=logprobs_BTV.dtype)
+    return -jnp.einsum("btv,btv->bt", logprobs_BTV, targets_BTV).mean()
 
   def __call__(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return self.head_loss(self.run_blocks(self.embed_tokens(tokens_BT)), targets_BT)

@@ -2,10 +2,11 @@
 
 from model.config import ModelConfig
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from parallel.schedules import SCHEDULES
 
 
 def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int, grad_accum: int,
-                  zero: int) -> None:
+                  zero: int, pipeline=None) -> None:
   """Raise ValueError naming the first setting that cannot be laid out on this mesh."""
   tensor, data_parallel = shape[TENSOR], shape[DATA] * shape[EXPERT]
   if zero not in (0, 1, 3):
@@ -13,12 +14,6 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   _divides("model.num_heads", model.num_heads, "mesh.tensor", tensor)
   _divides("model.mlp_dim", model.mlp_dim, "mesh.tensor", tensor)
   _divides("the padded vocabulary", model.padded_vocab, "mesh.tensor", tensor)
-  if shape[PIPELINE] > 1:
-    # Sharding the scanned layers over `pipeline` without a schedule would
-    # gather every stage's weights each step: correct, and useless.
-    raise ValueError(
-        f"mesh.pipeline={shape[PIPELINE]} needs a pipeline schedule, which meshlm does not have yet; "
-        "use mesh.pipeline=1 and put the devices on data or tensor.")
   _divides("model.max_len", model.max_len, "mesh.sequence", shape[SEQUENCE])
   if zero == 3:
     _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
@@ -27,6 +22,8 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
         f"batch_size={batch_size} does not split into grad_accum={grad_accum} equal micro-batches; "
         "pick a grad_accum that divides the batch.")
   micro = batch_size // grad_accum
+  if shape[PIPELINE] > 1:
+    _check_pipeline(model, shape[PIPELINE], micro, data_parallel, pipeline)
   if micro % data_parallel:
     raise ValueError(
         f"the micro-batch of {micro} sequences (batch_size={batch_size} / grad_accum={grad_accum}) "
@@ -37,3 +34,24 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
 def _divides(what: str, value: int, axis: str, size: int) -> None:
   if value % size:
     raise ValueError(f"{what}={value} is not divisible by {axis}={size}; choose sizes that divide.")
+
+
+def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: int, pipeline) -> None:
+  schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages
+  if schedule not in SCHEDULES:
+    raise ValueError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+  chunks = stages * (virtual if schedule == "interleaved" else 1)
+  if model.num_layers % chunks:
+    raise ValueError(
+        f"model.num_layers={model.num_layers} does not split into mesh.pipeline={stages}"
+        + (f" x pipeline.virtual_stages={virtual}" if schedule == "interleaved" else "")
+        + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks}.")
+  if micro < 1 or batch % (micro * data_parallel):
+    raise ValueError(
+        f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "
+        f"micro-batches that split over data x expert = {data_parallel}; use a batch that is a "
+        f"multiple of {max(micro, 1) * data_parallel}.")
+  if schedule == "1f1b" and micro < stages:
+    raise ValueError(
+        f"pipeline.schedule=1f1b needs at least as many micro-batches as stages, got "
+        f"pipeline.microbatches={micro} for mesh.pipeline={stages}; raise microbatches to {stages} or more.")

@@ -69,7 +69,11 @@ def activation_sharding(mesh, rules=ACTIVATION_RULES):
   """While tracing under this context, `constrain` in the model pins activations to the mesh."""
 
   def resolve(x, logical_axes):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes, rules)))
+    # Inside a shard_map the context mesh marks its manual axes (e.g. `pipeline`
+    # in a pipeline stage); constraints there must be stated on that mesh.
+    context = jax.sharding.get_abstract_mesh()
+    target = mesh if context.empty else context
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec(logical_axes, rules)))
 
   return activation_resolver(resolve)
 

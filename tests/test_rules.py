@@ -40,11 +40,17 @@ def test_unknown_logical_axis_is_named():
     ({"sharding.zero": 3, "model.embed_dim": 96, "model.num_heads": 4}, {"data": 64}, "model.embed_dim=96"),
     ({"sharding.zero": 2}, {}, "sharding.zero=2"),
     ({"grad_accum": 3}, {}, "grad_accum=3"),
-    ({}, {"pipeline": 2}, "mesh.pipeline=2 needs a pipeline schedule"),
+    ({"model.num_layers": 3}, {"pipeline": 2}, "model.num_layers=3 does not split into mesh.pipeline=2"),
+    ({"model.num_layers": 4, "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2},
+     {"pipeline": 4}, "mesh.pipeline=4 x pipeline.virtual_stages=2 = 8 equal chunks"),
+    ({"pipeline.microbatches": 3}, {"pipeline": 2}, "pipeline.microbatches=3 does not divide"),
+    ({"pipeline.schedule": "1f1b", "pipeline.microbatches": 2, "model.num_layers": 4}, {"pipeline": 4},
+     "1f1b needs at least as many micro-batches as stages"),
+    ({"pipeline.schedule": "zigzag"}, {"pipeline": 2}, "pipeline.schedule='zigzag' is unknown"),
 ])
 def test_model_that_does_not_divide_is_refused(overrides, shape, says):
   config = tiny_config(**overrides)
   full = {"data": 1, "pipeline": 1, "expert": 1, "sequence": 1, "tensor": 1, **shape}
   with pytest.raises(ValueError, match=says):
     check_divides(model_config(config), full, batch_size=config.batch_size,
-                  grad_accum=config.grad_accum, zero=config.sharding.zero)
+                  grad_accum=config.grad_accum, zero=config.sharding.zero, pipeline=config.pipeline)

@@ -17,7 +17,7 @@ from model.config import ModelConfig
 from model.transformer import GPT2
 from parallel import rules
 from parallel.checks import check_divides
-from parallel.mesh import make_mesh
+from parallel.mesh import PIPELINE, make_mesh
 from training.optimizer import make_optimizer
 
 MODEL_FAMILIES = {"gpt2": GPT2}
@@ -47,6 +47,9 @@ class Layout:
   state_shardings: dict
   batch_sharding: NamedSharding
   abstract_state: dict
+  schedule: str  # the pipeline schedule; "none" on a mesh without pipeline stages
+  microbatches: int
+  virtual_stages: int
 
   @property
   def param_shardings(self):
@@ -61,7 +64,7 @@ def plan(config, devices=None) -> Layout:
   mesh = make_mesh(config.mesh, devices)
   cfg = model_config(config)
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
-                zero=config.sharding.zero)
+                zero=config.sharding.zero, pipeline=config.pipeline)
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
@@ -83,7 +86,10 @@ def plan(config, devices=None) -> Layout:
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
-                batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state)
+                batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
+                schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
+                microbatches=config.pipeline.microbatches,
+                virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1)
 
 
 def init_state(layout: Layout, seed: int) -> dict:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from parallel import rules
+from parallel import microbatch, pipeline, rules
 from training.optimizer import learning_rate
 from training.state import Layout
 
@@ -15,18 +15,20 @@ def loss_fn(layout: Layout, params, batch) -> jax.Array:
   return model(batch["inputs"], batch["targets"])
 
 
+def schedule_grad_fn(layout: Layout):
+  """(params, batch) -> (loss, grads) for the layout: gradients belong to the pipeline schedule."""
+  if layout.schedule == "1f1b":
+    return lambda p, b: pipeline.one_f_one_b_loss_and_grads(layout, p, b)
+  if layout.schedule in ("gpipe", "interleaved"):
+    return jax.value_and_grad(lambda p, b: pipeline.circular_loss(layout, p, b))
+  return jax.value_and_grad(lambda p, b: loss_fn(layout, p, b))
+
+
 def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
   """Mean loss and gradients over the batch, accumulated over `grad_accum` micro-batches."""
-  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(layout, p, b))
+  grad_fn = schedule_grad_fn(layout)
   if grad_accum == 1:
     return grad_fn(params, batch)
-
-  def split(x_BT):
-    # Micro-batch i takes rows i, i+k, i+2k, ...: every data-parallel shard
-    # holds an equal part of every micro-batch, so splitting moves no data.
-    x_BkT = x_BT.reshape(x_BT.shape[0] // grad_accum, grad_accum, *x_BT.shape[1:])
-    x_kBT = jnp.swapaxes(x_BkT, 0, 1)
-    return jax.lax.with_sharding_constraint(x_kBT, rules.named(layout.mesh, None, "batch", "length"))
 
   def accumulate(carry, micro_batch):
     loss_sum, grad_sum = carry
@@ -37,7 +39,7 @@ def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                         jax.tree.map(split, batch))
+                                         jax.tree.map(lambda x: microbatch.split(x, grad_accum, layout.mesh), batch))
   return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
 
 

@@ -1,0 +1,24 @@
+"""Split a batch into micro-batches without moving data between devices."""
+
+import jax
+import jax.numpy as jnp
+
+from parallel import rules
+
+
+def split(x_B, count: int, mesh):
+  """[B, ...] -> [count, B / count, ...]: micro-batch i takes rows i, i + count, i + 2 count, ...
+
+  Strided rows mean every data-parallel shard holds an equal part of every
+  micro-batch, so the split is a local reshape, not a collective.
+  """
+  x_bkX = x_B.reshape(x_B.shape[0] // count, count, *x_B.shape[1:])
+  x_kbX = jnp.swapaxes(x_bkX, 0, 1)
+  return jax.lax.with_sharding_constraint(x_kbX, rules.named(mesh, None, "batch", "length",
+                                                             *(None,) * (x_B.ndim - 2)))
+
+
+def merge(x_kbX):
+  """The inverse of `split`."""
+  x_bkX = jnp.swapaxes(x_kbX, 0, 1)
+  return x_bkX.reshape(-1, *x_bkX.shape[2:])

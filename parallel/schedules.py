@@ -1,0 +1,87 @@
+"""Which micro-batch each pipeline stage works on at each tick: the index arithmetic of every schedule.
+
+Pure integer arithmetic that runs on numpy ints (for the timeline tool and the
+bubble figures) and on traced jax ints (inside the compiled schedules), so the
+tables printed are the schedule the code runs.
+
+- gpipe / interleaved (a circular pipeline): micro-batches enter stage 0 in
+  groups of P; micro-batch m = gP + k is at virtual stage s (0 <= s < PV, on
+  device s mod P) at tick gPV + k + s. No device ever holds two at once, and
+  the whole run takes MV + P - 1 ticks when P divides M. GPipe is V = 1.
+- 1f1b: every tick each stage does one forward slot and one backward slot:
+  forward of micro-batch t - p and backward of micro-batch t - (2P - 2 - p), so
+  the last stage turns each micro-batch round at once and stage p keeps at
+  most 2(P - 1 - p) + 1 inputs waiting for their backward pass.
+"""
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def circular_slot(tick, stage, *, stages: int, virtual: int, micro: int):
+  """(micro-batch, virtual stage, valid) at (tick, stage) of the circular pipeline."""
+  k = (tick - stage) % stages
+  entered = tick - k
+  group, virtual_stage = entered // (stages * virtual), entered % (stages * virtual)
+  m = group * stages + k
+  return m, virtual_stage, (entered >= 0) & (m < micro)
+
+
+def circular_ticks(*, stages: int, virtual: int, micro: int) -> int:
+  return circular_output_tick(micro - 1, stages=stages, virtual=virtual) + 1
+
+
+def circular_output_tick(m, *, stages: int, virtual: int):
+  """The tick at which micro-batch m leaves the last virtual stage."""
+  return (m // stages) * stages * virtual + m % stages + stages * virtual - 1
+
+
+def one_f_one_b_slots(tick, stage, *, stages: int, micro: int):
+  """(forward micro-batch, its validity, backward micro-batch, its validity) at (tick, stage)."""
+  forward = tick - stage
+  backward = tick - (2 * stages - 2 - stage)
+  return forward, (forward >= 0) & (forward < micro), backward, (backward >= 0) & (backward < micro)
+
+
+def one_f_one_b_ticks(*, stages: int, micro: int) -> int:
+  return micro + 2 * stages - 2
+
+
+def stash_slots(stages: int) -> int:
+  """Inputs stage 0 keeps for its backward pass: 2P - 1, however many micro-batches there are."""
+  return 2 * stages - 1
+
+
+def timeline(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> list[list[str]]:
+  """One row per stage, one cell per tick: 'F3' forward of micro-batch 3, 'B3' backward, '.' idle.
+
+  For the circular schedules the backward pass mirrors the forward one (autodiff),
+  so only the forward ticks are shown; a cell 'F3.1' is micro-batch 3 in chunk 1.
+  """
+  rows = []
+  for p in range(stages):
+    row = []
+    if schedule == "1f1b":
+      for t in range(one_f_one_b_ticks(stages=stages, micro=micro)):
+        f, f_ok, b, b_ok = one_f_one_b_slots(t, p, stages=stages, micro=micro)
+        row.append("/".join(x for x in (f"F{f}" if f_ok else "", f"B{b}" if b_ok else "") if x) or ".")
+    else:
+      for t in range(circular_ticks(stages=stages, virtual=virtual, micro=micro)):
+        m, s, ok = circular_slot(t, p, stages=stages, virtual=virtual, micro=micro)
+        row.append((f"F{m}" + (f".{s // stages}" if virtual > 1 else "")) if ok else ".")
+    rows.append(row)
+  return rows
+
+
+def idle_fraction(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> float:
+  """The share of (stage, tick, slot) the schedule leaves idle: its bubble, as the code runs it."""
+  cells = [c for row in timeline(schedule, stages=stages, micro=micro, virtual=virtual) for c in row]
+  slots_per_cell = 2 if schedule == "1f1b" else 1
+  busy = sum(0 if c == "." else len(c.split("/")) for c in cells)
+  return 1 - busy / (slots_per_cell * len(cells))
+
+
+def textbook_bubble(*, stages: int, micro: int, virtual: int = 1) -> float:
+  """(P - 1) / (M + P - 1), divided by V for the interleaved schedule."""
+  return (stages - 1) / (micro + stages - 1) / virtual
