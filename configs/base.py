@@ -35,7 +35,7 @@ def base() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1  # -1: detect
 
   c.model = ml_collections.ConfigDict()
-  c.model.family = "gpt2"
+  c.model.family = "gpt2"  # gpt2 | llama
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.embed_dim = 128
@@ -43,7 +43,12 @@ def base() -> ml_collections.ConfigDict:
   c.model.max_len = 128  # learned positions; also the training sequence length
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
   c.model.remat = "none"  # none | full | save_dots
-  c.model.attention = "xla"  # xla | cudnn (GPU only)
+  c.model.attention = "xla"  # the attention kernel: xla | cudnn (GPU only)
+  c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
+  c.model.rope_theta = 10000.0  # llama: rotary base
+
+  c.attention = ml_collections.ConfigDict()
+  c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses
 
   c.precision = ml_collections.ConfigDict()
   c.precision.compute = "bfloat16"  # matmul dtype; params, norms, softmax, loss stay fp32

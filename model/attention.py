@@ -1,4 +1,4 @@
-"""Causal self-attention kernels. The config picks one; the call is the same."""
+"""Causal self-attention: the kernels, the one call the model makes, and GPT-2's attention layer."""
 
 import jax
 import jax.numpy as jnp
@@ -6,30 +6,53 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.sharding_hooks import constrain
+from model.sharding_hooks import attention_strategy, constrain
 
 
-def causal_attention(q_BTNH, k_BSNH, v_BSNH, implementation: str) -> jax.Array:
-  """Softmax(QK^T/sqrt(H)) V under a causal mask, for query and key length equal."""
-  if implementation == "cudnn":
-    return jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, is_causal=True, implementation="cudnn")
-  return _xla_attention(q_BTNH, k_BSNH, v_BSNH)
+def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, kernel: str) -> jax.Array:
+  """Causal attention by token position, with K <= N key/value heads (grouped-query).
+
+  Positions, not array order, decide what each query may see: a context
+  strategy may reorder the sequence (zig-zag ring attention) and shard it.
+  """
+  strategy = attention_strategy()
+  if strategy is None:
+    return local_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, kernel=kernel)
+  return strategy(q_BTNH, k_BSKH, v_BSKH, positions_T)
 
 
-def _xla_attention(q_BTNH, k_BSNH, v_BSNH) -> jax.Array:
-  head_dim = q_BTNH.shape[-1]
-  logits_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH, preferred_element_type=jnp.float32)
-  logits_BNTS = logits_BNTS * (head_dim ** -0.5)
-  t, s = logits_BNTS.shape[-2:]
-  causal_TS = jnp.tril(jnp.ones((t, s), bool))
-  # The softmax runs in float32 whatever the compute dtype: bf16 exponentials lose the tail.
-  logits_BNTS = jnp.where(causal_TS, logits_BNTS, jnp.finfo(jnp.float32).min)
-  probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNH.dtype)
-  return jnp.einsum("bnts,bsnh->btnh", probs_BNTS, v_BSNH)
+def local_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, *, kernel: str) -> jax.Array:
+  """Attention of local queries over local keys; `kernel` is xla or cudnn."""
+  if kernel == "cudnn":
+    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
+  out_BTNH, _, _ = attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
+  return out_BTNH
+
+
+def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
+  """Normalised attention of one query block over one key block, with its softmax statistics.
+
+  Returns (out, row max, row sum of exponentials) so a ring can merge blocks
+  with an online softmax. Everything after the QK product is float32.
+  """
+  b, t, n, h = q_BTNH.shape
+  kv_heads = k_BSKH.shape[2]
+  q_BTKGH = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
+  logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+  logits_BKGTS = logits_BKGTS * (h ** -0.5)
+  visible_TS = k_positions_S[None, :] <= q_positions_T[:, None]
+  logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
+  max_BKGT = logits_BKGTS.max(-1)
+  exp_BKGTS = jnp.where(visible_TS, jnp.exp(logits_BKGTS - max_BKGT[..., None]), 0.0)
+  sum_BKGT = exp_BKGTS.sum(-1)
+  probs_BKGTS = (exp_BKGTS / jnp.maximum(sum_BKGT, 1e-30)[..., None]).astype(v_BSKH.dtype)
+  out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+  return out_BTKGH.reshape(b, t, n, h), max_BKGT, sum_BKGT
 
 
 class SelfAttention(nnx.Module):
-  """Multi-head attention: fused QKV projection (column parallel), output projection (row parallel)."""
+  """GPT-2 attention: fused QKV projection (column parallel), output projection (row parallel)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, h = cfg.embed_dim, cfg.num_heads, cfg.head_dim
@@ -41,12 +64,12 @@ class SelfAttention(nnx.Module):
     self.out_bias = zeros((d,), ("embed",))
     self.cfg = cfg
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
     dtype = self.cfg.dtype
     qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-    out_BTNH = causal_attention(q_BTNH, k_BTNH, v_BTNH, self.cfg.attention)
+    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg.attention)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype)
     return out_BTD + self.out_bias[...].astype(dtype)

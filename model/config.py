@@ -9,6 +9,7 @@ VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and ma
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  family: str  # gpt2 | llama
   num_layers: int
   num_heads: int
   embed_dim: int
@@ -18,10 +19,16 @@ class ModelConfig:
   remat: str = "none"  # none | full | save_dots
   attention: str = "xla"  # xla | cudnn
   compute_dtype: str = "float32"
+  kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
+  rope_theta: float = 10000.0
 
   @property
   def head_dim(self) -> int:
     return self.embed_dim // self.num_heads
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.kv_heads or self.num_heads
 
   @property
   def padded_vocab(self) -> int:
@@ -36,6 +43,10 @@ class ModelConfig:
       raise ValueError(
           f"model.embed_dim={self.embed_dim} is not divisible by model.num_heads={self.num_heads}; "
           "choose heads that divide the width.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"model.num_heads={self.num_heads} is not a multiple of model.kv_heads={self.num_kv_heads}; "
+          "grouped-query attention shares each key/value head among an equal number of query heads.")
     if self.remat not in ("none", "full", "save_dots"):
       raise ValueError(f"model.remat={self.remat!r} is unknown; use none, full or save_dots.")
     if self.attention not in ("xla", "cudnn"):

@@ -1,9 +1,11 @@
-"""How the model marks its activations: logical names only.
+"""How the model leaves placement to others: logical names and an attention hook.
 
 The model never sees a mesh. It calls `constrain(x, ("batch", "length", "embed"))`
 and whoever traces it (parallel/rules.py) may install a resolver that turns the
-logical names into a sharding constraint. With no resolver installed the call is
-the identity, so the model runs unchanged on one device.
+logical names into a sharding constraint; it calls `attention(...)` and
+parallel/context.py may install a strategy that runs attention over a sharded
+`length` (ring, Ulysses). With nothing installed both are plain local math, so
+the model runs unchanged on one device.
 """
 
 import contextlib
@@ -29,3 +31,21 @@ def activation_resolver(resolve: Resolver):
     yield
   finally:
     _resolver.reset(token)
+
+
+Strategy = Callable[..., jax.Array]
+_strategy: contextvars.ContextVar[Strategy | None] = contextvars.ContextVar("strategy", default=None)
+
+
+def attention_strategy() -> Strategy | None:
+  return _strategy.get()
+
+
+@contextlib.contextmanager
+def context_strategy(strategy: Strategy):
+  """While tracing under this, attention calls `strategy(q, k, v, positions)` instead of local math."""
+  token = _strategy.set(strategy)
+  try:
+    yield
+  finally:
+    _strategy.reset(token)

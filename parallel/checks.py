@@ -2,11 +2,12 @@
 
 from model.config import ModelConfig
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from parallel.context import STRATEGIES
 from parallel.schedules import SCHEDULES
 
 
 def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int, grad_accum: int,
-                  zero: int, pipeline=None) -> None:
+                  zero: int, pipeline=None, context: str = "allgather") -> None:
   """Raise ValueError naming the first setting that cannot be laid out on this mesh."""
   tensor, data_parallel = shape[TENSOR], shape[DATA] * shape[EXPERT]
   if zero not in (0, 1, 3):
@@ -15,6 +16,8 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   _divides("model.mlp_dim", model.mlp_dim, "mesh.tensor", tensor)
   _divides("the padded vocabulary", model.padded_vocab, "mesh.tensor", tensor)
   _divides("model.max_len", model.max_len, "mesh.sequence", shape[SEQUENCE])
+  if shape[SEQUENCE] > 1:
+    _check_context(model, shape[SEQUENCE], tensor, context)
   if zero == 3:
     _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
   if grad_accum < 1 or batch_size % grad_accum:
@@ -55,3 +58,19 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
     raise ValueError(
         f"pipeline.schedule=1f1b needs at least as many micro-batches as stages, got "
         f"pipeline.microbatches={micro} for mesh.pipeline={stages}; raise microbatches to {stages} or more.")
+
+
+def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -> None:
+  if context not in STRATEGIES:
+    raise ValueError(f"attention.context={context!r} is unknown; use one of {', '.join(STRATEGIES)}.")
+  if model.attention != "xla":
+    raise ValueError(
+        f"model.attention={model.attention!r} masks by index and cannot attend over a sharded "
+        "sequence; use model.attention=xla with mesh.sequence > 1.")
+  if context == "ring":
+    _divides("model.max_len", model.max_len, "2 x mesh.sequence (zig-zag ring chunks)", 2 * shards)
+  if context == "ulysses":
+    _divides("model.num_heads", model.num_heads, "mesh.sequence x mesh.tensor (Ulysses splits heads)",
+             shards * tensor)
+    _divides("the key/value heads", model.num_kv_heads,
+             "mesh.sequence x mesh.tensor (Ulysses splits heads)", shards * tensor)

@@ -5,18 +5,18 @@ import collections
 import jax
 
 from conftest import tiny_config
-from parallel import analysis, rules
+from parallel import analysis
 from parallel.mesh import DATA, TENSOR
 from training.dry_run import abstract_inputs, compile_train_step
 from training.state import param_count, plan
-from training.step import loss_fn
+from training.step import loss_fn, placement
 
 
 def compiled_forward(layout, config):
   state, batch = abstract_inputs(layout, config)
 
   def forward(params, batch):
-    with rules.activation_sharding(layout.mesh):
+    with placement(layout):
       return loss_fn(layout, params, batch)
 
   return jax.jit(forward).lower(state["params"], batch).compile()

@@ -14,13 +14,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
-from model.transformer import GPT2
+from model.gpt2 import GPT2
+from model.llama import Llama
 from parallel import rules
 from parallel.checks import check_divides
-from parallel.mesh import PIPELINE, make_mesh
+from parallel.mesh import PIPELINE, SEQUENCE, make_mesh
 from training.optimizer import make_optimizer
 
-MODEL_FAMILIES = {"gpt2": GPT2}
+MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama}
 
 
 def model_config(config) -> ModelConfig:
@@ -28,13 +29,14 @@ def model_config(config) -> ModelConfig:
   m = config.model
   if m.family not in MODEL_FAMILIES:
     raise ValueError(f"model.family={m.family!r} is unknown; use one of {', '.join(MODEL_FAMILIES)}.")
-  return ModelConfig(num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
+  return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
-                     attention=m.attention, compute_dtype=config.precision.compute)
+                     attention=m.attention, compute_dtype=config.precision.compute,
+                     kv_heads=m.kv_heads, rope_theta=m.rope_theta)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
-  return MODEL_FAMILIES["gpt2"](cfg, nnx.Rngs(params=seed))
+  return MODEL_FAMILIES[cfg.family](cfg, nnx.Rngs(params=seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Layout:
   schedule: str  # the pipeline schedule; "none" on a mesh without pipeline stages
   microbatches: int
   virtual_stages: int
+  context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
 
   @property
   def param_shardings(self):
@@ -64,7 +67,7 @@ def plan(config, devices=None) -> Layout:
   mesh = make_mesh(config.mesh, devices)
   cfg = model_config(config)
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
-                zero=config.sharding.zero, pipeline=config.pipeline)
+                zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
@@ -89,7 +92,8 @@ def plan(config, devices=None) -> Layout:
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
-                virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1)
+                virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1,
+                context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none")
 
 
 def init_state(layout: Layout, seed: int) -> dict:

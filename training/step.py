@@ -1,18 +1,37 @@
 """The compiled train and eval steps: `(state, batch) -> (state, metrics)` under one jax.jit."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from parallel import microbatch, pipeline, rules
+from model.sharding_hooks import context_strategy
+from parallel import context, microbatch, pipeline, rules
+from parallel.mesh import SEQUENCE
 from training.optimizer import learning_rate
 from training.state import Layout
 
 
 def loss_fn(layout: Layout, params, batch) -> jax.Array:
   model = nnx.merge(layout.graphdef, params)
-  return model(batch["inputs"], batch["targets"])
+  if layout.context != "ring":
+    return model(batch["inputs"], batch["targets"])
+  # Ring attention balances causal work over a zig-zag token order; the model
+  # follows token positions, and the mean loss does not care about order.
+  order_T = context.zigzag_order(batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
+  return model(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T))
+
+
+@contextlib.contextmanager
+def placement(layout: Layout):
+  """While tracing: activations pinned by the rules, attention by the context strategy."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(rules.activation_sharding(layout.mesh))
+    if layout.context != "none":
+      stack.enter_context(context_strategy(context.strategy(layout.context, layout.mesh)))
+    yield
 
 
 def schedule_grad_fn(layout: Layout):
@@ -49,7 +68,7 @@ def make_train_step(layout: Layout, config):
   grad_accum = config.grad_accum
 
   def train_step(state, batch):
-    with rules.activation_sharding(layout.mesh):
+    with placement(layout):
       loss, grads = loss_and_grads(layout, state["params"], batch, grad_accum)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
@@ -74,7 +93,7 @@ def make_eval_step(layout: Layout):
   """Held-out loss for one batch, on the same mesh and shardings as training."""
 
   def eval_step(params, batch):
-    with rules.activation_sharding(layout.mesh):
+    with placement(layout):
       return loss_fn(layout, params, batch)
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}

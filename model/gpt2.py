@@ -1,0 +1,53 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, tanh-GELU MLP, tied embeddings, biases everywhere."""
+
+import jax
+from flax import nnx
+
+from model.attention import SelfAttention
+from model.config import ModelConfig
+from model.layers import INIT_STD, LayerNorm, matmul, param
+from model.mlp import Mlp
+from model.sharding_hooks import constrain
+from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
+
+
+class Block(nnx.Module):
+  """Pre-LayerNorm transformer block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.ln_attn = LayerNorm(cfg.embed_dim)
+    self.attn = SelfAttention(cfg, rngs)
+    self.ln_mlp = LayerNorm(cfg.embed_dim)
+    self.mlp = Mlp(cfg, rngs)
+
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T)
+    x_BTD = constrain(x_BTD, ACTIVATION_AXES)
+    return x_BTD + self.mlp(self.ln_mlp(x_BTD))
+
+
+class Embed(nnx.Module):
+  """Token and learned position embeddings; the token table is tied to the output head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.tokens = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
+    self.positions = param(rngs, (cfg.max_len, cfg.embed_dim), (None, "embed"), std=INIT_STD / 2)
+
+
+class GPT2(LanguageModel):
+  """GPT-2 (Radford et al. 2019) in Flax NNX."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = Embed(cfg, rngs)
+    self.blocks = stacked(Block, cfg, rngs)
+    self.ln_final = LayerNorm(cfg.embed_dim)
+
+  def embed_tokens(self, tokens_BT, positions_T=None):
+    positions_T = jax.numpy.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
+    x_BTD = self.embed.tokens[...][tokens_BT] + self.embed.positions[...][positions_T]
+    return constrain(x_BTD.astype(self.cfg.dtype), ACTIVATION_AXES)
+
+  def logits(self, x_BTD):
+    x_BTD = self.ln_final(x_BTD)
+    return masked_vocab(matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg.dtype), self.cfg)

@@ -1,0 +1,110 @@
+"""A Llama-style family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.attention import attention
+from model.config import ModelConfig
+from model.layers import INIT_STD, matmul, ones, param
+from model.sharding_hooks import constrain
+from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square normalisation, in float32."""
+
+  def __init__(self, dim: int, eps: float = 1e-6):
+    self.scale = ones((dim,), ("embed",))
+    self.eps = eps
+
+  def __call__(self, x_BTD):
+    x = x_BTD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x_BTD.dtype)
+
+
+def rotary(x_BTNH, positions_T, theta: float):
+  """Rotate each (first half, second half) pair of x by its token's global position (RoFormer)."""
+  half = x_BTNH.shape[-1] // 2
+  frequencies_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
+  cos_TF, sin_TF = jnp.cos(angles_TF)[:, None, :], jnp.sin(angles_TF)[:, None, :]
+  x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
+  rotated = jnp.concatenate([x1 * cos_TF - x2 * sin_TF, x2 * cos_TF + x1 * sin_TF], axis=-1)
+  return rotated.astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with rotary positions; K key/value heads serve N query heads."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_kernel = param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
+    self.k_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
+    self.v_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
+    self.out_kernel = param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
+                            std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.cfg = cfg
+
+  def __call__(self, x_BTD, positions_T):
+    cfg, dtype = self.cfg, self.cfg.dtype
+    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype), positions_T, cfg.rope_theta)
+    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype), positions_T, cfg.rope_theta)
+    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype)
+    q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
+    k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
+    v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg.attention)
+    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype)
+
+
+class SwiGLU(nnx.Module):
+  """silu(x W_gate) * (x W_up), then W_down: gate and up column parallel, down row parallel."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    self.gate_kernel = param(rngs, (d, f), ("embed", "mlp"))
+    self.up_kernel = param(rngs, (d, f), ("embed", "mlp"))
+    self.down_kernel = param(rngs, (f, d), ("mlp", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.cfg = cfg
+
+  def __call__(self, x_BTD):
+    dtype = self.cfg.dtype
+    gate_BTF = jax.nn.silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype))
+    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype),
+                      ("batch", "length", "mlp"))
+    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype)
+
+
+class Block(nnx.Module):
+  """Pre-RMSNorm block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.norm_attn = RMSNorm(cfg.embed_dim)
+    self.attn = Attention(cfg, rngs)
+    self.norm_mlp = RMSNorm(cfg.embed_dim)
+    self.mlp = SwiGLU(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_T):
+    x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T), ACTIVATION_AXES)
+    return x_BTD + self.mlp(self.norm_mlp(x_BTD))
+
+
+class Llama(LanguageModel):
+  """Llama-style decoder (Touvron et al. 2023) in Flax NNX; positions enter only through rotary."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
+    self.blocks = stacked(Block, cfg, rngs)
+    self.norm_final = RMSNorm(cfg.embed_dim)
+    self.head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"))
+
+  def embed_tokens(self, tokens_BT, positions_T=None):
+    del positions_T  # rotary embeddings apply them inside attention
+    return constrain(self.embed[...][tokens_BT].astype(self.cfg.dtype), ACTIVATION_AXES)
+
+  def logits(self, x_BTD):
+    x_BTD = self.norm_final(x_BTD)
+    return masked_vocab(matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg.dtype), self.cfg)

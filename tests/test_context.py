@@ -1,0 +1,87 @@
+"""Context parallelism: every strategy over `sequence`, both families, equals the unsharded run."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from parallel import analysis
+from parallel.checks import check_divides
+from test_collectives import compiled_forward
+from test_equivalence import assert_tree_close
+from training import data
+from training.state import init_state, model_config, plan
+from training.step import loss_and_grads, placement
+
+FAMILIES = {
+    "gpt2": {"model.num_heads": 8},
+    "llama": {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192},
+}
+CASES = [(family, shards, strategy) for family in FAMILIES for shards in (2, 4, 8)
+         for strategy in ("allgather", "ring", "ulysses") if not (strategy == "ulysses" and shards == 8)]
+
+
+def loss_and_gradients(overrides, devices):
+  config = tiny_config(**overrides)
+  layout = plan(config, devices)
+  params = init_state(layout, config.seed)["params"]
+  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
+  batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
+                            seq_len=config.model.max_len, sharding=layout.batch_sharding)
+  def run(params, batch):
+    with placement(layout):
+      return loss_and_grads(layout, params, batch, 1)
+
+  return jax.device_get(jax.jit(run)(params, batch))
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {family: loss_and_gradients({**overrides, "mesh.data": 1}, jax.devices()[:1])
+          for family, overrides in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family, shards, strategy", CASES, ids=[f"{f} sequence={s} {c}" for f, s, c in CASES])
+def test_strategy_matches_unsharded(family, shards, strategy, references):
+  loss, grads = loss_and_gradients({**FAMILIES[family], "mesh.sequence": shards, "mesh.data": 8 // shards,
+                                    "attention.context": strategy}, jax.devices())
+  np.testing.assert_allclose(loss, references[family][0], rtol=1e-5)
+  assert_tree_close(grads, references[family][1], "gradient")
+
+
+def forward_collectives(strategy, **overrides):
+  config = tiny_config(**{**FAMILIES["llama"], "mesh.sequence": 4, "mesh.data": 2,
+                          "attention.context": strategy, **overrides})
+  layout = plan(config)
+  return analysis.collectives(compiled_forward(layout, config), layout.mesh)
+
+
+def test_ring_permutes_keys_and_values_and_gathers_nothing():
+  found = forward_collectives("ring")
+  # Per layer, keys and values each take S - 1 = 3 hops; the only gathers are of token ids for
+  # the zig-zag order, outside the layer loop.
+  assert analysis.count_by(found, kind="collective-permute", axes="sequence", in_loop=True) == 2 * 3, (
+      analysis.summary_table(found))
+  assert analysis.count_by(found, kind="all-gather", in_loop=True) == 0, analysis.summary_table(found)
+
+
+def test_ulysses_trades_sequence_for_heads_with_all_to_alls():
+  found = forward_collectives("ulysses")
+  # q, k and v in, the output back: four all-to-alls per layer.
+  assert analysis.count_by(found, kind="all-to-all", axes="sequence", in_loop=True) == 4, (
+      analysis.summary_table(found))
+
+
+@pytest.mark.parametrize("overrides, sequence, says", [
+    ({"model.max_len": 36}, 8, "model.max_len=36 is not divisible by mesh.sequence=8"),
+    ({"attention.context": "ring", "model.max_len": 20}, 4, "2 x mesh.sequence"),
+    ({"attention.context": "ulysses", "model.num_heads": 4}, 8, "Ulysses splits heads"),
+    ({"model.attention": "cudnn"}, 2, "model.attention='cudnn' masks by index"),
+    ({"attention.context": "striped"}, 2, "attention.context='striped' is unknown"),
+])
+def test_bad_context_input_is_refused(overrides, sequence, says):
+  config = tiny_config(**{**FAMILIES["gpt2"], **overrides})
+  shape = {"data": 1, "pipeline": 1, "expert": 1, "sequence": sequence, "tensor": 1}
+  with pytest.raises(ValueError, match=says):
+    check_divides(model_config(config), shape, batch_size=config.batch_size, grad_accum=1, zero=0,
+                  pipeline=config.pipeline, context=config.attention.context)
