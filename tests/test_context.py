@@ -8,31 +8,18 @@ from conftest import tiny_config
 from parallel import analysis
 from parallel.checks import check_divides
 from test_collectives import compiled_forward
-from test_equivalence import assert_tree_close
-from training import data
-from training.state import init_state, model_config, plan
-from training.step import loss_and_grads, placement
+from test_equivalence import assert_tree_close, loss_and_gradients
+from training.state import model_config, plan
 
 FAMILIES = {
     "gpt2": {"model.num_heads": 8},
     "llama": {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192},
 }
-CASES = [(family, shards, strategy) for family in FAMILIES for shards in (2, 4, 8)
-         for strategy in ("allgather", "ring", "ulysses") if not (strategy == "ulysses" and shards == 8)]
-
-
-def loss_and_gradients(overrides, devices):
-  config = tiny_config(**overrides)
-  layout = plan(config, devices)
-  params = init_state(layout, config.seed)["params"]
-  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
-  batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
-                            seq_len=config.model.max_len, sharding=layout.batch_sharding)
-  def run(params, batch):
-    with placement(layout):
-      return loss_and_grads(layout, params, batch, 1)
-
-  return jax.device_get(jax.jit(run)(params, batch))
+# GPT-2 over every degree and strategy (Ulysses needs heads divisible by the degree: 8 heads,
+# 4 key/value heads for llama); the Llama family once per strategy.
+CASES = [("gpt2", shards, strategy) for shards in (2, 4, 8) for strategy in ("allgather", "ring", "ulysses")
+         if not (strategy == "ulysses" and shards == 8)]
+CASES += [("llama", 8, "ring"), ("llama", 4, "ulysses"), ("llama", 2, "allgather")]
 
 
 @pytest.fixture(scope="module")

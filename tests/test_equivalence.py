@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_config
 from training import data
 from training.state import init_state, plan
-from training.step import loss_and_grads, make_train_step
+from training.step import loss_and_grads, make_train_step, placement
 
 LAYOUTS = {
     "data=8": {"mesh.data": 8},
@@ -28,18 +28,37 @@ LAYOUTS = {
 DEVICES_USED = {"zero1 data=2 x tensor=2": 4}
 
 
-def run_layout(overrides, devices):
-  """Loss, gradients and post-step params for one batch on the given layout."""
+def setup(overrides, devices):
+  """Config, layout, fresh state and the first batch for a layout."""
   config = tiny_config(**overrides)
   layout = plan(config, devices)
-  state = init_state(layout, config.seed)
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
                             seq_len=config.model.max_len, sharding=layout.batch_sharding)
-  grad_fn = jax.jit(lambda p, b: loss_and_grads(layout, p, b, 1))
-  loss, grads = grad_fn(state["params"], batch)
+  return config, layout, init_state(layout, config.seed), batch
+
+
+def gradients(layout, params, batch):
+  """Loss and gradients traced as the train step traces them."""
+
+  def run(params, batch):
+    with placement(layout):
+      return loss_and_grads(layout, params, batch, 1)
+
+  return jax.device_get(jax.jit(run)(params, batch))
+
+
+def loss_and_gradients(overrides, devices):
+  _, layout, state, batch = setup(overrides, devices)
+  return gradients(layout, state["params"], batch)
+
+
+def run_layout(overrides, devices):
+  """Loss, gradients and post-step params for one batch on the given layout."""
+  config, layout, state, batch = setup(overrides, devices)
+  loss, grads = gradients(layout, state["params"], batch)
   state, _ = make_train_step(layout, config)(state, batch)
-  return jax.device_get((loss, grads, state["params"]))
+  return loss, grads, jax.device_get(state["params"])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,49 @@
+"""Per-device memory of the compiled train step against context length and `sequence` degree.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/context_memory.py --lengths 1024,2048,4096,8192
+
+Compiles ahead of time on simulated devices, allocating nothing, with the
+`long` Llama variant (or --config), one sequence per data-parallel group, and
+prints XLA's temporary (activation) bytes per device: sharding the sequence
+over S devices divides them by about S.
+"""
+
+import sys
+from pathlib import Path
+
+# `python tools/context_memory.py` puts tools/ on sys.path, not the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # pylint: disable=wrong-import-position
+from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
+
+from parallel import analysis  # pylint: disable=wrong-import-position
+from training.dry_run import compile_train_step  # pylint: disable=wrong-import-position
+from training.state import plan  # pylint: disable=wrong-import-position
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:long", "Model and run config.")
+_LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Context lengths.")
+_DEGREES = flags.DEFINE_list("sequence", ["1", "2", "4", "8"], "Sequence-parallel degrees.")
+
+
+def temp_mib(config, length: int, degree: int) -> float:
+  config.model.max_len = length
+  config.mesh.sequence, config.mesh.data = degree, jax.device_count() // degree
+  config.batch_size = config.mesh.data
+  return analysis.memory_summary(compile_train_step(plan(config), config))["temp_bytes"] / 2**20
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  degrees = [int(d) for d in _DEGREES.value]
+  print(f"temporary MiB per device, {config.attention.context} attention, "
+        f"{jax.device_count()} devices, one sequence per data-parallel group")
+  print("  length " + "".join(f"  sequence={d:<3}" for d in degrees))
+  for length in map(int, _LENGTHS.value):
+    print(f"{length:8d} " + "".join(f"{temp_mib(config, length, d):14.1f}" for d in degrees))
+
+
+if __name__ == "__main__":
+  app.run(main)
