@@ -24,13 +24,9 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   return x if resolve is None else resolve(x, logical_axes)
 
 
-@contextlib.contextmanager
 def activation_resolver(resolve: Resolver):
-  token = _resolver.set(resolve)
-  try:
-    yield
-  finally:
-    _resolver.reset(token)
+  """While tracing under this, `constrain` calls `resolve(x, logical_axes)`."""
+  return _installed(_resolver, resolve)
 
 
 Strategy = Callable[..., jax.Array]
@@ -41,11 +37,15 @@ def attention_strategy() -> Strategy | None:
   return _strategy.get()
 
 
-@contextlib.contextmanager
 def context_strategy(strategy: Strategy):
   """While tracing under this, attention calls `strategy(q, k, v, positions)` instead of local math."""
-  token = _strategy.set(strategy)
+  return _installed(_strategy, strategy)
+
+
+@contextlib.contextmanager
+def _installed(variable: contextvars.ContextVar, value):
+  token = variable.set(value)
   try:
     yield
   finally:
-    _strategy.reset(token)
+    variable.reset(token)
