@@ -57,9 +57,12 @@ def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T):
   out_BTNH, max_BKGT, sum_BKGT = attention_block(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T)
   out_BTNH = out_BTNH.astype(jnp.float32)
   block = (k_BTKH, v_BTKH, positions_T)
+  # Recompute each visiting block in the backward pass rather than keep its T/S x T/S
+  # probabilities: otherwise the ring would save as much as gathering all of K/V.
+  visit = jax.checkpoint(attention_block)
   for _ in range(shards - 1):
     block = jax.lax.ppermute(block, SEQUENCE, ring)
-    block_out_BTNH, block_max_BKGT, block_sum_BKGT = attention_block(q_BTNH, *block[:2], positions_T, block[2])
+    block_out_BTNH, block_max_BKGT, block_sum_BKGT = visit(q_BTNH, *block[:2], positions_T, block[2])
     # Online softmax: rescale both partial results to the new running maximum, weight by their sums.
     new_max_BKGT = jnp.maximum(max_BKGT, block_max_BKGT)
     old_weight_BKGT = jnp.exp(max_BKGT - new_max_BKGT) * sum_BKGT
