@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_config
 from parallel import analysis
 from parallel.checks import check_divides
+from parallel.context import zigzag_order
 from test_collectives import compiled_forward
 from test_equivalence import assert_tree_close, loss_and_gradients
 from training.state import model_config, plan
@@ -36,6 +37,23 @@ def test_strategy_matches_unsharded(family, shards, strategy, references):
   assert_tree_close(grads, references[family][1], "gradient")
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_strategies_compose_with_tensor_and_data(strategy, references):
+  loss, grads = loss_and_gradients({**FAMILIES["gpt2"], "mesh.sequence": 2, "mesh.tensor": 2, "mesh.data": 2,
+                                    "attention.context": strategy}, jax.devices())
+  np.testing.assert_allclose(loss, references["gpt2"][0], rtol=1e-5)
+  assert_tree_close(grads, references["gpt2"][1], "gradient")
+
+
+def test_zigzag_order_balances_causal_work():
+  length, shards = 64, 4
+  order = zigzag_order(length, shards)
+  assert sorted(order) == list(range(length))
+  # A query at position p attends to p + 1 keys; each shard's queries must add up to the same work.
+  work = [(order[i * length // shards:(i + 1) * length // shards] + 1).sum() for i in range(shards)]
+  assert len(set(work)) == 1, work
+
+
 def forward_collectives(strategy, **overrides):
   config = tiny_config(**{**FAMILIES["llama"], "mesh.sequence": 4, "mesh.data": 2,
                           "attention.context": strategy, **overrides})
@@ -50,6 +68,12 @@ def test_ring_permutes_keys_and_values_and_gathers_nothing():
   assert analysis.count_by(found, kind="collective-permute", axes="sequence", in_loop=True) == 2 * 3, (
       analysis.summary_table(found))
   assert analysis.count_by(found, kind="all-gather", in_loop=True) == 0, analysis.summary_table(found)
+
+
+def test_allgather_gathers_keys_and_values_once_per_layer():
+  found = forward_collectives("allgather")
+  assert analysis.count_by(found, kind="all-gather", axes="sequence", in_loop=True) == 2, (
+      analysis.summary_table(found))
 
 
 def test_ulysses_trades_sequence_for_heads_with_all_to_alls():
