@@ -18,6 +18,10 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   _divides("model.max_len", model.max_len, "mesh.sequence", shape[SEQUENCE])
   if shape[SEQUENCE] > 1:
     _check_context(model, shape[SEQUENCE], tensor, context)
+    if shape[PIPELINE] > 1:
+      raise ValueError(
+          f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
+          "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
   if zero == 3:
     _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
   if grad_accum < 1 or batch_size % grad_accum:

@@ -89,10 +89,12 @@ def test_ulysses_trades_sequence_for_heads_with_all_to_alls():
     ({"attention.context": "ulysses", "model.num_heads": 4}, 8, "Ulysses splits heads"),
     ({"model.attention": "cudnn"}, 2, "model.attention='cudnn' masks by index"),
     ({"attention.context": "striped"}, 2, "attention.context='striped' is unknown"),
+    ({"mesh.pipeline": 2}, 2, "would nest the context strategy's shard_map"),
 ])
 def test_bad_context_input_is_refused(overrides, sequence, says):
   config = tiny_config(**{**FAMILIES["gpt2"], **overrides})
-  shape = {"data": 1, "pipeline": 1, "expert": 1, "sequence": sequence, "tensor": 1}
+  shape = {"data": 1, "pipeline": overrides.get("mesh.pipeline", 1), "expert": 1, "sequence": sequence,
+           "tensor": 1}
   with pytest.raises(ValueError, match=says):
     check_divides(model_config(config), shape, batch_size=config.batch_size, grad_accum=1, zero=0,
                   pipeline=config.pipeline, context=config.attention.context)

@@ -81,8 +81,8 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
   batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                          batch_size=config.batch_size, seq_len=seq_len,
                          sharding=layout.batch_sharding, depth=config.data.prefetch)
-  with batches, StopRequests() as stop, tqdm(initial=start, total=config.steps,
-                                             disable=jax.process_index() != 0, leave=False) as bar:
+  with batches, writer, StopRequests() as stop, tqdm(
+      initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
     for step, batch in batches:
       state, pending = train_step(state, batch)  # metrics stay on device until a log step
       bar.update(1)
@@ -111,12 +111,10 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
       if stop.requested(done, config.log_every):
         checkpoints.save(done, state, config, force=True)
         checkpoints.wait()
-        writer.close()
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
         return last
   checkpoints.wait()
-  writer.close()
   if config.sample_tokens:
     _log("sample: " + _sample(layout, state["params"], config, train_split.tokenizer))
   return last

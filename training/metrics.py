@@ -68,6 +68,12 @@ class MetricsWriter:
       self._jsonl.close()
       self._tensorboard.close()
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
 
 def _drop_records_after(path: str, step: int) -> None:
   """A resumed run recomputes the steps after its checkpoint; their old records give way."""
