@@ -9,9 +9,10 @@ each stage computes them for its data shard.
   inside one `shard_map` over `pipeline` (the other axes stay under GSPMD, so
   tensor and data parallelism compose inside each stage); activations hop
   stage to stage with `ppermute`, and autodiff through it gives the gradients.
-- 1f1b computes its own gradients: each tick every stage runs one forward and
-  one backward slot, the backward by `jax.vjp` of the stage on an input it
-  stashed (recomputing the stage's forward), so at most 2P - 1 inputs are held.
+- 1f1b computes its own gradients: each tick every stage has one forward and
+  one backward slot, run under `lax.cond` so idle slots cost nothing, the
+  backward by `jax.vjp` of the stage on an input it stashed (recomputing the
+  stage's forward), so at most 2P - 1 inputs are held.
 """
 
 import functools
@@ -113,7 +114,6 @@ def _one_f_one_b(layout, params, x_MbTD, targets_MbT):
     stage = jax.lax.axis_index(PIPELINE)
     last = stage == stages - 1
     blocks = params[STACKED]
-    pick = lambda ok, new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
     def head_loss(params, y_bTD, targets_bT):
       return nnx.merge(layout.graphdef, params).head_loss(y_bTD, targets_bT) / micro
@@ -123,22 +123,31 @@ def _one_f_one_b(layout, params, x_MbTD, targets_MbT):
       f, f_ok, b, b_ok = schedules.one_f_one_b_slots(t, stage, stages=stages, micro=micro)
       f_at, b_at = jnp.clip(f, 0, micro - 1), jnp.clip(b, 0, micro - 1)
       # Forward slot: micro-batch f through this stage, its input kept for the backward slot.
+      # Each slot runs under lax.cond, so a stage with nothing to do in it does no work.
       x_bTD = jnp.where(stage == 0, x_MbTD[f_at], incoming_bTD)
-      y_bTD = _run_stage(layout, params, blocks, x_bTD)
+      y_bTD = jax.lax.cond(f_ok, lambda x: _run_stage(layout, params, blocks, x), jnp.zeros_like, x_bTD)
       stash_SbTD = jnp.where(f_ok, stash_SbTD.at[f % slots].set(x_bTD), stash_SbTD)
       # The last stage turns micro-batch f round at once: head, loss and its gradient.
-      head_ok = last & f_ok
-      f_loss, (head_grads, d_y_bTD) = jax.value_and_grad(head_loss, argnums=(0, 1))(
+      head = jax.value_and_grad(head_loss, argnums=(0, 1))
+      f_loss, (head_grads, d_y_bTD) = jax.lax.cond(
+          last & f_ok, head, lambda p, y, _: (_varying(jnp.zeros((), jnp.float32)),
+                                              (jax.tree.map(jnp.zeros_like, p), jnp.zeros_like(y))),
           params, y_bTD, targets_MbT[f_at])
-      loss = loss + jnp.where(head_ok, f_loss, 0)
-      grads = pick(head_ok, jax.tree.map(jnp.add, grads, head_grads), grads)
+      loss = loss + f_loss
+      grads = jax.tree.map(jnp.add, grads, head_grads)
+
       # Backward slot: micro-batch b, recomputing the stage's forward from its stashed input.
-      _, stage_vjp = jax.vjp(lambda w, x: _run_stage(layout, params, w, x), blocks, stash_SbTD[b % slots])
-      d_blocks, d_x_bTD = stage_vjp(jnp.where(last, d_y_bTD, cotangent_bTD))
-      grads = pick(b_ok, {**grads, STACKED: jax.tree.map(jnp.add, grads[STACKED], d_blocks)}, grads)
+      def backward(x_bTD, d_out_bTD):
+        _, stage_vjp = jax.vjp(lambda w, x: _run_stage(layout, params, w, x), blocks, x_bTD)
+        return stage_vjp(d_out_bTD)
+
+      d_blocks, d_x_bTD = jax.lax.cond(
+          b_ok, backward, lambda x, _: (jax.tree.map(jnp.zeros_like, blocks), jnp.zeros_like(x)),
+          stash_SbTD[b % slots], jnp.where(last, d_y_bTD, cotangent_bTD))
+      grads = {**grads, STACKED: jax.tree.map(jnp.add, grads[STACKED], d_blocks)}
       d_x_MbTD = jnp.where(b_ok & (stage == 0), d_x_MbTD.at[b_at].set(d_x_bTD), d_x_MbTD)
       incoming_bTD = jax.lax.ppermute(y_bTD, PIPELINE, forward_pairs)
-      cotangent_bTD = jax.lax.ppermute(jnp.where(b_ok, d_x_bTD, 0), PIPELINE, backward_pairs)
+      cotangent_bTD = jax.lax.ppermute(d_x_bTD, PIPELINE, backward_pairs)
       return (incoming_bTD, cotangent_bTD, stash_SbTD, loss, grads, d_x_MbTD), None
 
     zeros_bTD = _varying(jnp.zeros_like(x_MbTD[0]))

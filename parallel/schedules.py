@@ -8,10 +8,12 @@ tables printed are the schedule the code runs.
   groups of P; micro-batch m = gP + k is at virtual stage s (0 <= s < PV, on
   device s mod P) at tick gPV + k + s. No device ever holds two at once, and
   the whole run takes MV + P - 1 ticks when P divides M. GPipe is V = 1.
-- 1f1b: every tick each stage does one forward slot and one backward slot:
+- 1f1b: every tick each stage has one forward slot and one backward slot:
   forward of micro-batch t - p and backward of micro-batch t - (2P - 2 - p), so
   the last stage turns each micro-batch round at once and stage p keeps at
-  most 2(P - 1 - p) + 1 inputs waiting for their backward pass.
+  most 2(P - 1 - p) + 1 inputs waiting for their backward pass. Forwards run
+  on ticks 0 .. M+P-2 and backwards on ticks P-1 .. M+2P-3, so the run lasts
+  (M + P - 1) forward and (M + P - 1) backward slot-times: GPipe's bubble.
 """
 
 import numpy as np
@@ -75,11 +77,16 @@ def timeline(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> lis
 
 
 def idle_fraction(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> float:
-  """The share of (stage, tick, slot) the schedule leaves idle: its bubble, as the code runs it."""
-  cells = [c for row in timeline(schedule, stages=stages, micro=micro, virtual=virtual) for c in row]
-  slots_per_cell = 2 if schedule == "1f1b" else 1
-  busy = sum(0 if c == "." else len(c.split("/")) for c in cells)
-  return 1 - busy / (slots_per_cell * len(cells))
+  """The share of stage-time the schedule leaves idle: its bubble, as the code runs it.
+
+  Stages move in lockstep: a tick lasts as long as the busiest stage's slots
+  in it (idle slots are skipped with lax.cond), counting every slot as equal.
+  """
+  slots = lambda cell: 0 if cell == "." else len(cell.split("/"))
+  columns = list(zip(*timeline(schedule, stages=stages, micro=micro, virtual=virtual)))
+  busy = sum(slots(cell) for column in columns for cell in column)
+  duration = sum(max(slots(cell) for cell in column) for column in columns)
+  return 1 - busy / (stages * duration)
 
 
 def textbook_bubble(*, stages: int, micro: int, virtual: int = 1) -> float:

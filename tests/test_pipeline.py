@@ -65,6 +65,12 @@ def test_circular_schedule_has_the_textbook_bubble(stages, micro, virtual):
                                                      virtual=virtual), expected)
 
 
+@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 8), (4, 16)])
+def test_1f1b_has_gpipes_bubble(stages, micro):
+  np.testing.assert_allclose(schedules.idle_fraction("1f1b", stages=stages, micro=micro),
+                             (stages - 1) / (micro + stages - 1))
+
+
 def test_1f1b_timeline_is_the_textbook_table():
   rows = schedules.timeline("1f1b", stages=2, micro=4)
   assert rows == [["F0", "F1", "F2/B0", "F3/B1", "B2", "B3"],
