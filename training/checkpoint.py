@@ -39,6 +39,11 @@ class Checkpoints:
                                                       config=ocp.args.JsonSave(config.to_dict())),
                        force=True)
 
+  def save_now(self, step: int, state, config) -> None:
+    """Save `step` whatever the schedule and wait until it is on disk (before stopping a run)."""
+    self.save(step, state, config, force=True)
+    self.wait()
+
   def restore(self, step: int, abstract_state):
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
     where = f"checkpoint step {step} in {self.directory}"

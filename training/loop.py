@@ -98,8 +98,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
         if last["skipped"] and config.nonfinite == "stop":
-          checkpoints.save(done, state, config, force=True)
-          checkpoints.wait()
+          checkpoints.save_now(done, state, config)
           raise ValueError(f"step {done}: {last['skipped']} update(s) had a non-finite loss or "
                            f"gradient and were not applied; the last good state is saved as step "
                            f"{done}. Lower optimizer.lr or set nonfinite=skip.")
@@ -109,8 +108,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
       if stop.requested(done, config.log_every):
-        checkpoints.save(done, state, config, force=True)
-        checkpoints.wait()
+        checkpoints.save_now(done, state, config)
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
         return last
