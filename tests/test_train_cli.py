@@ -25,7 +25,8 @@ def test_train_end_to_end(tmp_path):
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [3, 6]
-  assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "skipped"}
+  assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "skipped",
+                           "peak_bytes"}
   assert steps[1]["loss"] < steps[0]["loss"]
   assert any("eval_loss" in r for r in records)
   assert "sample: 'def " in result.stdout

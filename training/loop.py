@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from parallel import distributed
+from parallel import analysis, distributed
 from training import data, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
@@ -62,9 +62,13 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
 
 def _run(config, layout, state, start, checkpoints, train_split, val_split) -> dict:
   seq_len = layout.model.max_len
-  train_step, eval_step = make_train_step(layout, config), make_eval_step(layout)
+  # Compiled ahead so the first interval's tokens/s leaves compilation out and
+  # the program's own memory figure can be logged beside the losses.
+  train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+  eval_step = make_eval_step(layout)
   flops_token = metrics.flops_per_token(layout.model, param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
+  peak_bytes = analysis.memory_summary(train_step)["peak_bytes"]
   writer = metrics.MetricsWriter(config.workdir, after_step=start)
   _log(f"training {param_count(layout):,} parameters on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
@@ -93,7 +97,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
-                "skipped": int(fetched["skipped"])}
+                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done

@@ -1,0 +1,84 @@
+"""Ablation recipes: the textbook comparisons as configs, run by tools/sweep.py.
+
+  python tools/sweep.py --recipe adamw_vs_l2
+  python tools/sweep.py --recipe precision --set steps=50     # shorter, same comparison
+
+Each recipe is the tiny model on the built-in corpus, sized to finish in a few
+minutes on a 2-core CPU: a base config, the fields every run shares, and the
+runs themselves (a grid, whose product is taken, or a list of cases). Adding a
+point to a comparison is adding a value here, not writing code.
+"""
+
+import dataclasses
+import itertools
+
+from parallel import schedules
+
+# What every recipe shares: short runs logged often, evaluated twice, checkpointed
+# so an interrupted sweep resumes mid-run, and no closing text sample.
+SHORT_RUN = {"steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 100, "eval_batches": 4,
+             "sample_tokens": 0, "checkpoint.every": 100, "checkpoint.keep": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  name: str
+  question: str  # the comparison, in one sentence, for the table's caption
+  grid: tuple = ()  # (field, (values...)) pairs; every combination is one run
+  cases: tuple = ()  # or explicit runs: dicts of field -> value
+  fixed: dict = dataclasses.field(default_factory=dict)  # fields every run shares, over SHORT_RUN
+  seeds: tuple = (0,)
+  config: str = "configs/gpt2.py:tiny"
+  devices: int = 1  # simulated CPU devices (XLA flag); a GPU or TPU host uses its own
+  columns: dict = dataclasses.field(default_factory=dict)  # extra table column -> fn(run's fields) -> str
+
+  def runs(self) -> list[dict]:
+    """The varied fields of every run, in order (seed last)."""
+    if self.grid and self.cases:
+      raise ValueError(f"recipe {self.name!r} gives both a grid and cases; give one.")
+    if self.grid:
+      fields = [field for field, _ in self.grid]
+      points = [dict(zip(fields, values)) for values in itertools.product(*(v for _, v in self.grid))]
+    else:
+      points = [dict(case) for case in self.cases] or [{}]
+    return [{**point, "seed": seed} for point in points for seed in self.seeds]
+
+  def shared(self) -> dict:
+    return {**SHORT_RUN, **self.fixed}
+
+
+PIPELINE_FIXED = {"mesh.pipeline": 4, "mesh.data": 1, "model.num_layers": 4, "pipeline.schedule": "gpipe",
+                  "steps": 60, "eval_every": 60, "checkpoint.every": 60}
+
+
+def _bubble(fields: dict) -> str:
+  stages = int(PIPELINE_FIXED["mesh.pipeline"])
+  return f"{schedules.textbook_bubble(stages=stages, micro=int(fields['pipeline.microbatches'])):.3f}"
+
+RECIPES = {r.name: r for r in [
+    Recipe("adamw_vs_l2",
+           "Decoupled weight decay (AdamW) against decay as an L2 term in Adam's gradient, at two strengths.",
+           grid=(("optimizer.name", ("adamw", "adam_l2")), ("optimizer.weight_decay", (0.1, 1.0)))),
+    Recipe("schedule",
+           "Linear warmup against none, and cosine decay against a constant rate, at a high peak rate.",
+           grid=(("schedule.warmup_steps", (0, 50)), ("schedule.decay", ("cosine", "constant"))),
+           fixed={"optimizer.lr": 1e-2}),
+    Recipe("optimizers",
+           "Plain SGD against SGD with momentum against AdamW, each at a rate that suits it.",
+           cases=({"optimizer.name": "sgd", "optimizer.lr": 1.0},
+                  {"optimizer.name": "momentum", "optimizer.lr": 0.1},
+                  {"optimizer.name": "adamw", "optimizer.lr": 3e-3})),
+    # float16 (with loss scaling) joins as one more value of precision.compute.
+    Recipe("precision",
+           "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",
+           grid=(("precision.compute", ("float32", "bfloat16")),),
+           fixed={"steps": 100, "eval_every": 50, "checkpoint.every": 50}),
+    Recipe("batch_vs_accumulation",
+           "A small batch, a 4x batch, and the 4x batch as 4 accumulated micro-batches (same math, less memory).",
+           cases=({"batch_size": 8, "grad_accum": 1}, {"batch_size": 32, "grad_accum": 1},
+                  {"batch_size": 32, "grad_accum": 4})),
+    Recipe("pipeline_bubble",
+           "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
+           grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),
+           fixed=PIPELINE_FIXED, devices=4, columns={"bubble (P-1)/(M+P-1)": _bubble}),
+]}

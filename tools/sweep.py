@@ -1,0 +1,220 @@
+"""Run a grid of config overrides, one train.py run each, then tabulate and plot them.
+
+  python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from tools/recipes.py
+  python tools/sweep.py --grid optimizer.name=adamw,adam_l2 --grid schedule.warmup_steps=0,200 --seeds 0,1
+  python tools/sweep.py --recipe schedule --set steps=40 --out runs/sweeps/quick
+
+Each run is a `train.py` subprocess in `<out>/<its fields>`: a mesh fixes the
+device count when jax starts, so separate processes are the robust way to
+sweep over layouts. A run directory remembers the command that made it; a
+finished run is skipped, an interrupted one resumes from its checkpoint, so
+running the same sweep again picks up where it stopped. At the end
+`<out>/results.md`, `<out>/results.csv` and the loss curves `<out>/loss.png`
+(or `--figure`) hold every run.
+"""
+
+import csv
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# `python tools/sweep.py` puts tools/ on sys.path, not the repo root that holds tools/ and parallel/.
+sys.path.insert(0, str(ROOT))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+
+from tools.recipes import RECIPES, Recipe  # pylint: disable=wrong-import-position
+
+MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
+METRICS = ("final train loss", "final val loss", "tokens/s", "MFU", "peak MiB/device", "wall s")
+
+
+def parse_grid(entries: list[str]) -> tuple:
+  """`field=v1,v2` entries as ((field, (v1, v2)), ...)."""
+  grid = []
+  for entry in entries:
+    field, _, values = entry.partition("=")
+    if not field or not values:
+      raise ValueError(f"--grid {entry!r} is not field=value1,value2,...")
+    grid.append((field, tuple(values.split(","))))
+  return tuple(grid)
+
+
+def parse_set(entries: list[str]) -> dict:
+  fixed = {}
+  for entry in entries:
+    field, eq, value = entry.partition("=")
+    if not field or not eq:
+      raise ValueError(f"--set {entry!r} is not field=value")
+    fixed[field] = value
+  return fixed
+
+
+def run_name(fields: dict) -> str:
+  """A directory name that says what the run varies, e.g. `optimizer.name=adamw,seed=0`."""
+  name = ",".join(f"{k}={v}" for k, v in fields.items())
+  return re.sub(r"[^\w.=,+-]", "_", name)
+
+
+def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
+  settings = {**recipe.shared(), **fields}
+  return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
+          *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}"]
+
+
+def device_env(devices: int) -> dict:
+  """This environment with the simulated CPU device count set to `devices` (GPUs and TPUs ignore it)."""
+  others = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+  return dict(os.environ, XLA_FLAGS=" ".join([*others, f"--xla_force_host_platform_device_count={devices}"]))
+
+
+def run_one(command: list[str], workdir: Path, devices: int) -> dict:
+  """Run (or resume, or skip) one training run; returns its marker."""
+  marker_path = workdir / MARKER
+  marker = json.loads(marker_path.read_text()) if marker_path.exists() else None
+  if marker is not None and marker["command"][1:] != command[1:]:
+    raise ValueError(f"{workdir} holds a run made by another command; delete it or choose another --out.")
+  if marker is not None and marker["finished"]:
+    return {**marker, "skipped": True}
+  workdir.mkdir(parents=True, exist_ok=True)
+  marker = {"command": command, "finished": False}
+  marker_path.write_text(json.dumps(marker, indent=1))
+  started = time.perf_counter()
+  with open(workdir / "train.log", "a") as log:
+    process = subprocess.Popen(command, cwd=ROOT, env=device_env(devices), stdout=log, stderr=log)
+    _, status, usage = os.wait4(process.pid, 0)  # the child's own peak host memory comes with it
+  marker.update(finished=os.waitstatus_to_exitcode(status) == 0, seconds=time.perf_counter() - started,
+                max_rss_mib=usage.ru_maxrss / 1024)
+  marker_path.write_text(json.dumps(marker, indent=1))
+  return marker
+
+
+def read_metrics(workdir: Path) -> tuple[list[dict], list[dict]]:
+  """(train records, eval records) from a run's metrics.jsonl."""
+  path = workdir / "metrics.jsonl"
+  records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def summarize(workdir: Path, marker: dict) -> dict:
+  """The table's numbers for one run; throughput skips the first interval (warm-up)."""
+  train, evals = read_metrics(workdir)
+  steady = train[1:] or train
+  mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+  peak = train[-1].get("peak_bytes") if train else None
+  return {
+      "final train loss": f"{train[-1]['loss']:.4f}" if train else "failed",
+      "final val loss": f"{evals[-1]['eval_loss']:.4f}" if evals else "",
+      "tokens/s": f"{statistics.median(r['tokens_per_sec'] for r in steady):,.0f}" if steady else "",
+      "MFU": f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a",
+      "peak MiB/device": f"{peak / 2**20:.1f}" if peak else "",
+      "wall s": f"{marker.get('seconds', 0):.0f}",
+  }
+
+
+def write_tables(rows: list[dict], out: Path) -> str:
+  """results.csv and results.md in `out`; returns the markdown."""
+  header = list(rows[0])
+  with open(out / "results.csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=header)
+    writer.writeheader()
+    writer.writerows(rows)
+  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+  lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
+  markdown = "\n".join(lines) + "\n"
+  (out / "results.md").write_text(markdown)
+  return markdown
+
+
+def plot(runs: list[tuple[str, Path]], title: str, path: Path) -> None:
+  """Train loss as lines and validation loss as dots, one colour per run."""
+  import matplotlib
+  matplotlib.use("Agg")  # files only, no display
+  import matplotlib.pyplot as plt
+
+  figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+  for index, (label, workdir) in enumerate(runs):
+    train, evals = read_metrics(workdir)
+    colour = f"C{index % 10}"
+    axes.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, lw=1.2, label=label)
+    axes.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=colour, ms=4)
+  axes.set(xlabel="step", ylabel="loss (nats/token); dots: validation", title=title)
+  axes.grid(alpha=0.3)
+  axes.legend(fontsize=7, frameon=False)
+  figure.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path)
+  plt.close(figure)
+
+
+def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> str:
+  """Run every run of `recipe` that has not finished, then write the tables and the figure."""
+  out = out.resolve()  # train.py runs from the repository root
+  out.mkdir(parents=True, exist_ok=True)
+  runs = recipe.runs()
+  varied = [k for k in runs[0] if k != "seed" or len(recipe.seeds) > 1]
+  rows, curves, failed = [], [], []
+  for index, fields in enumerate(runs, 1):
+    name = run_name(fields)
+    workdir = out / name
+    marker = run_one(train_command(recipe, fields, workdir), workdir, recipe.devices)
+    state = "finished earlier" if marker.get("skipped") else (
+        "done" if marker["finished"] else f"FAILED (see {workdir / 'train.log'})")
+    echo(f"[{index}/{len(runs)}] {name}: {state}")
+    if not marker["finished"]:
+      failed.append(name)
+    label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
+    rows.append({**{k: fields[k] for k in varied},
+                 **{column: describe(fields) for column, describe in recipe.columns.items()},
+                 **summarize(workdir, marker)})
+    curves.append((label, workdir))
+  markdown = write_tables(rows, out)
+  plot(curves, recipe.name, figure or out / "loss.png")
+  if failed:
+    raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)}; rerun the sweep to retry them.")
+  return markdown
+
+
+_RECIPE = flags.DEFINE_enum("recipe", None, list(RECIPES), "A recipe from tools/recipes.py.")
+_CONFIG = flags.DEFINE_string("config", "configs/gpt2.py:tiny", "Base config and variant (without --recipe).")
+_GRID = flags.DEFINE_multi_string("grid", [], "field=v1,v2,...: one axis of the grid (repeat for more).")
+_SET = flags.DEFINE_multi_string("set", [], "field=value for every run (repeat for more).")
+_SEEDS = flags.DEFINE_list("seeds", [], "Seeds, each a run of every grid point.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
+_OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<recipe or 'sweep'>.")
+_FIGURE = flags.DEFINE_string("figure", None, "Where the loss curves go; default <out>/loss.png.")
+
+
+def recipe_from_flags() -> Recipe:
+  recipe = RECIPES[_RECIPE.value] if _RECIPE.value else Recipe("sweep", "", config=_CONFIG.value)
+  changes = {"fixed": {**recipe.fixed, **parse_set(_SET.value)}}
+  if _GRID.value:
+    changes.update(grid=parse_grid(_GRID.value), cases=())
+  if _SEEDS.value:
+    changes["seeds"] = tuple(int(s) for s in _SEEDS.value)
+  if _DEVICES.value:
+    changes["devices"] = _DEVICES.value
+  return dataclasses.replace(recipe, **changes)
+
+
+def main(argv):
+  del argv
+  try:
+    recipe = recipe_from_flags()
+    out = Path(_OUT.value or f"runs/sweeps/{recipe.name}")
+    print(sweep(recipe, out, Path(_FIGURE.value) if _FIGURE.value else None), end="")
+  except (ValueError, RuntimeError) as error:
+    sys.exit(f"error: {error}")
+  print(f"tables in {out}/results.md and results.csv, curves in {_FIGURE.value or out / 'loss.png'}")
+
+
+if __name__ == "__main__":
+  app.run(main)
