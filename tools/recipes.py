@@ -16,8 +16,8 @@ from parallel import schedules
 
 # What every recipe shares: short runs logged often, evaluated twice, checkpointed
 # so an interrupted sweep resumes mid-run, and no closing text sample.
-SHORT_RUN = {"steps": 200, "batch_size": 16, "log_every": 10, "eval_every": 100, "eval_batches": 4,
-             "sample_tokens": 0, "checkpoint.every": 100, "checkpoint.keep": 1}
+SHORT_RUN = {"steps": 120, "batch_size": 8, "log_every": 10, "eval_every": 60, "eval_batches": 4,
+             "sample_tokens": 0, "checkpoint.every": 60, "checkpoint.keep": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Recipe:
 
 
 PIPELINE_FIXED = {"mesh.pipeline": 4, "mesh.data": 1, "model.num_layers": 4, "pipeline.schedule": "gpipe",
-                  "steps": 60, "eval_every": 60, "checkpoint.every": 60}
+                  "batch_size": 16, "steps": 40, "eval_every": 40, "checkpoint.every": 40}
 
 
 def _bubble(fields: dict) -> str:
@@ -61,7 +61,7 @@ RECIPES = {r.name: r for r in [
            grid=(("optimizer.name", ("adamw", "adam_l2")), ("optimizer.weight_decay", (0.1, 1.0)))),
     Recipe("schedule",
            "Linear warmup against none, and cosine decay against a constant rate, at a high peak rate.",
-           grid=(("schedule.warmup_steps", (0, 50)), ("schedule.decay", ("cosine", "constant"))),
+           grid=(("schedule.warmup_steps", (0, 30)), ("schedule.decay", ("cosine", "constant"))),
            fixed={"optimizer.lr": 1e-2}),
     Recipe("optimizers",
            "Plain SGD against SGD with momentum against AdamW, each at a rate that suits it.",
@@ -72,11 +72,11 @@ RECIPES = {r.name: r for r in [
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",
            grid=(("precision.compute", ("float32", "bfloat16")),),
-           fixed={"steps": 100, "eval_every": 50, "checkpoint.every": 50}),
+           fixed={"steps": 60, "eval_every": 30, "checkpoint.every": 30}),
     Recipe("batch_vs_accumulation",
            "A small batch, a 4x batch, and the 4x batch as 4 accumulated micro-batches (same math, less memory).",
-           cases=({"batch_size": 8, "grad_accum": 1}, {"batch_size": 32, "grad_accum": 1},
-                  {"batch_size": 32, "grad_accum": 4})),
+           cases=({"batch_size": 4, "grad_accum": 1}, {"batch_size": 16, "grad_accum": 1},
+                  {"batch_size": 16, "grad_accum": 4})),
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 class Checkpoints:
   """The checkpoints of one workdir."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int):
+  def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
@@ -58,6 +58,15 @@ class Checkpoints:
     except Exception as error:
       raise ValueError(f"{where} cannot be read ({_first_line(error)}); it was left untouched.") from None
     return restored["state"]
+
+  def saved_config(self, step: int) -> dict:
+    """The config a checkpoint was written with, as a plain dict."""
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    except Exception as error:
+      raise ValueError(f"the config of checkpoint step {step} in {self.directory} cannot be read "
+                       f"({_first_line(error)}).") from None
+    return restored["config"]
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

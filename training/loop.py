@@ -11,10 +11,12 @@ from training import data, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
 from training.preemption import StopRequests
-from training.sample import generate
+from training.sample import check_request, encode_prompt, generate
 from training.state import init_state, param_count, plan
 from training.step import make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
+
+SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 
 
 def train(config, dry_run: bool = False) -> dict:
@@ -25,6 +27,10 @@ def train(config, dry_run: bool = False) -> dict:
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
   if config.nonfinite not in ("skip", "stop"):
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use skip or stop.")
+  if config.sample_tokens:
+    prompt = encode_prompt(load_tokenizer(train_split.tokenizer), config.sample_prompt)
+    check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
+                  top_k=0, vocab_size=layout.model.vocab_size)
   if dry_run:
     text = report(layout, config)
     _log(text)
@@ -124,9 +130,9 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
 
 def _sample(layout, params, config, tokenizer_name: str) -> str:
   tokenizer = load_tokenizer(tokenizer_name)
-  prompt = tokenizer.encode(config.sample_prompt)
-  ids = generate(layout, params, prompt, num_tokens=config.sample_tokens, seed=config.seed)
-  return repr(config.sample_prompt + tokenizer.decode(ids))
+  ids = generate(layout, params, encode_prompt(tokenizer, config.sample_prompt),
+                 num_tokens=config.sample_tokens, temperature=SAMPLE_TEMPERATURE, seed=config.seed)
+  return repr(config.sample_prompt + tokenizer.decode(ids[0]))
 
 
 def _format(m: dict) -> str:
