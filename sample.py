@@ -38,38 +38,17 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   # Imported after flag parsing, like train.py: jax reads its flags when first imported.
-  import ml_collections
-  from training import data
-  from training.checkpoint import Checkpoints
-  from training.dry_run import abstract_inputs
-  from training.sample import encode_prompt, generate
-  from training.state import plan
-  from training.tokenizer import load_tokenizer
-
-  checkpoints = Checkpoints(_WORKDIR.value, every=0, keep=None)
+  from training.sample import encode_prompt, from_checkpoint, generate
   try:
-    steps = checkpoints.steps()
-    if not steps:
-      raise ValueError(f"{checkpoints.directory} holds no checkpoint; train with "
-                       f"--config.workdir={_WORKDIR.value} first.")
-    step = steps[-1] if _STEP.value == -1 else _STEP.value
-    if step not in steps:
-      raise ValueError(f"{checkpoints.directory} holds steps {steps}, not {step}.")
-    config = ml_collections.ConfigDict(checkpoints.saved_config(step))
-    if _MESH.value:
-      config.mesh.update(mesh_override(_MESH.value))
-    layout = plan(config)
-    tokenizer = load_tokenizer(data.open_split(config.data, "train", vocab_size=config.model.vocab_size).tokenizer)
+    mesh = mesh_override(_MESH.value) if _MESH.value else None
+    config, layout, params, tokenizer, step = from_checkpoint(_WORKDIR.value, _STEP.value, mesh)
     text = config.sample_prompt if _PROMPT.value is None else _PROMPT.value
     prompt = encode_prompt(tokenizer, text)
     num_tokens = _MAX_TOKENS.value or layout.model.max_len - len(prompt)
-    params = checkpoints.restore(step, abstract_inputs(layout, config)[0])["params"]
     samples = generate(layout, params, prompt, num_tokens=num_tokens, temperature=_TEMPERATURE.value,
                        top_k=_TOP_K.value, seed=_SEED.value, num_samples=_NUM_SAMPLES.value)
   except ValueError as error:
     sys.exit(f"error: {error}")
-  finally:
-    checkpoints.close()
   for index, ids in enumerate(samples):
     if len(samples) > 1:
       print(f"--- sample {index + 1} (step {step})")

@@ -9,13 +9,18 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 
 from model.kv_cache import forward_cached, init_cache
 from parallel import rules
 from parallel.mesh import DATA, EXPERT
-from training.state import Layout
+from training import data
+from training.checkpoint import Checkpoints
+from training.dry_run import abstract_inputs
+from training.state import Layout, plan
+from training.tokenizer import load_tokenizer
 
 # Decoding never shards `length`: each step sees one position, and the cache is
 # read whole by every query. Batch, heads and vocabulary keep the training layout.
@@ -107,3 +112,24 @@ def generate(layout: Layout, params, prompt_ids, *, num_tokens: int, temperature
   if keep_logits:
     return tokens_BN[:num_samples], logits_BNV[:num_samples]
   return tokens_BN[:num_samples]
+
+
+def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None):
+  """(config, layout, params, tokenizer, step) of a saved run, on `mesh_sizes` or the run's own mesh."""
+  checkpoints = Checkpoints(workdir, every=0, keep=None)
+  try:
+    steps = checkpoints.steps()
+    if not steps:
+      raise ValueError(f"{checkpoints.directory} holds no checkpoint; train with --config.workdir={workdir} first.")
+    step = steps[-1] if step == -1 else step
+    if step not in steps:
+      raise ValueError(f"{checkpoints.directory} holds steps {steps}, not {step}.")
+    config = ml_collections.ConfigDict(checkpoints.saved_config(step))
+    if mesh_sizes:
+      config.mesh.update(mesh_sizes)
+    layout = plan(config)
+    params = checkpoints.restore(step, abstract_inputs(layout, config)[0])["params"]
+  finally:
+    checkpoints.close()
+  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
+  return config, layout, params, load_tokenizer(split.tokenizer), step

@@ -1,0 +1,52 @@
+"""tools/sweep.py without training: recipes name real fields, finished runs are skipped, changed ones refused.
+
+The notebooks' test runs a real sweep end to end (tests/test_notebooks.py).
+"""
+
+import importlib
+import json
+import sys
+
+import pytest
+
+from tools import sweep
+from tools.recipes import RECIPES, Recipe
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipes_name_only_fields_the_config_has(name):
+  recipe = RECIPES[name]
+  path, variant = recipe.config.split(":")
+  config = importlib.import_module(path.removesuffix(".py").replace("/", ".")).get_config(variant)
+  for fields in recipe.runs():
+    for field in {**recipe.shared(), **fields}:
+      node = config
+      for part in field.split("."):
+        assert part in node, f"{name}: no config field {field}"
+        node = node[part]
+
+
+def test_grid_runs_every_combination_for_every_seed():
+  recipe = Recipe("t", "", grid=sweep.parse_grid(["optimizer.name=adamw,adam_l2", "schedule.warmup_steps=0,200"]),
+                  seeds=(0, 1))
+  runs = recipe.runs()
+  assert len(runs) == 8 and runs[0] == {"optimizer.name": "adamw", "schedule.warmup_steps": "0", "seed": 0}
+  assert len({sweep.run_name(r) for r in runs}) == 8  # one directory each
+  with pytest.raises(ValueError, match="is not field=value1,value2"):
+    sweep.parse_grid(["optimizer.name"])
+
+
+def test_finished_runs_are_skipped_and_changed_ones_refused(tmp_path):
+  fails_if_run = [sys.executable, "-c", "raise SystemExit(3)"]
+  (tmp_path / sweep.MARKER).write_text(json.dumps({"command": fails_if_run, "finished": True}))
+  assert sweep.run_one(fails_if_run, tmp_path, devices=1)["skipped"]
+  with pytest.raises(ValueError, match="holds a run made by another command"):
+    sweep.run_one([sys.executable, "-c", "pass"], tmp_path, devices=1)
+
+
+def test_an_unfinished_run_runs_again_and_a_failure_is_recorded(tmp_path):
+  command = [sys.executable, "-c", "raise SystemExit(3)"]
+  (tmp_path / sweep.MARKER).write_text(json.dumps({"command": command, "finished": False}))
+  marker = sweep.run_one(command, tmp_path, devices=1)
+  assert not marker["finished"] and "skipped" not in marker
+  assert json.loads((tmp_path / sweep.MARKER).read_text())["finished"] is False
