@@ -19,7 +19,7 @@ def test_recipes_name_only_fields_the_config_has(name):
   path, variant = recipe.config.split(":")
   config = importlib.import_module(path.removesuffix(".py").replace("/", ".")).get_config(variant)
   for fields in recipe.runs():
-    for field in {**recipe.shared(), **fields}:
+    for field in {**recipe.fixed, **fields}:
       node = config
       for part in field.split("."):
         assert part in node, f"{name}: no config field {field}"

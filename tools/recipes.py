@@ -1,7 +1,7 @@
 """Ablation recipes: the textbook comparisons as configs, run by tools/sweep.py.
 
   python tools/sweep.py --recipe adamw_vs_l2
-  python tools/sweep.py --recipe precision --set steps=50     # shorter, same comparison
+  python tools/sweep.py --recipe precision --set steps=30 --out runs/sweeps/precision_short
 
 Each recipe is the tiny model on the built-in corpus, sized to finish in a few
 minutes on a 2-core CPU: a base config, the fields every run shares, and the
@@ -26,7 +26,7 @@ class Recipe:
   question: str  # the comparison, in one sentence, for the table's caption
   grid: tuple = ()  # (field, (values...)) pairs; every combination is one run
   cases: tuple = ()  # or explicit runs: dicts of field -> value
-  fixed: dict = dataclasses.field(default_factory=dict)  # fields every run shares, over SHORT_RUN
+  fixed: dict = dataclasses.field(default_factory=dict)  # fields every run shares
   seeds: tuple = (0,)
   config: str = "configs/gpt2.py:tiny"
   devices: int = 1  # simulated CPU devices (XLA flag); a GPU or TPU host uses its own
@@ -43,40 +43,42 @@ class Recipe:
       points = [dict(case) for case in self.cases] or [{}]
     return [{**point, "seed": seed} for point in points for seed in self.seeds]
 
-  def shared(self) -> dict:
-    return {**SHORT_RUN, **self.fixed}
 
-
-PIPELINE_FIXED = {"mesh.pipeline": 4, "mesh.data": 1, "model.num_layers": 4, "pipeline.schedule": "gpipe",
-                  "batch_size": 16, "steps": 40, "eval_every": 40, "checkpoint.every": 40}
+PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_layers": 4,
+                  "pipeline.schedule": "gpipe", "batch_size": 16, "steps": 40, "eval_every": 40,
+                  "checkpoint.every": 40}
 
 
 def _bubble(fields: dict) -> str:
   stages = int(PIPELINE_FIXED["mesh.pipeline"])
   return f"{schedules.textbook_bubble(stages=stages, micro=int(fields['pipeline.microbatches'])):.3f}"
 
+
 RECIPES = {r.name: r for r in [
     Recipe("adamw_vs_l2",
            "Decoupled weight decay (AdamW) against decay as an L2 term in Adam's gradient, at two strengths.",
-           grid=(("optimizer.name", ("adamw", "adam_l2")), ("optimizer.weight_decay", (0.1, 1.0)))),
+           grid=(("optimizer.name", ("adamw", "adam_l2")), ("optimizer.weight_decay", (0.1, 1.0))),
+           fixed=SHORT_RUN),
     Recipe("schedule",
            "Linear warmup against none, and cosine decay against a constant rate, at a high peak rate.",
            grid=(("schedule.warmup_steps", (0, 30)), ("schedule.decay", ("cosine", "constant"))),
-           fixed={"optimizer.lr": 1e-2}),
+           fixed={**SHORT_RUN, "optimizer.lr": 1e-2}),
     Recipe("optimizers",
            "Plain SGD against SGD with momentum against AdamW, each at a rate that suits it.",
            cases=({"optimizer.name": "sgd", "optimizer.lr": 1.0},
                   {"optimizer.name": "momentum", "optimizer.lr": 0.1},
-                  {"optimizer.name": "adamw", "optimizer.lr": 3e-3})),
+                  {"optimizer.name": "adamw", "optimizer.lr": 3e-3}),
+           fixed=SHORT_RUN),
     # float16 (with loss scaling) joins as one more value of precision.compute.
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",
            grid=(("precision.compute", ("float32", "bfloat16")),),
-           fixed={"steps": 60, "eval_every": 30, "checkpoint.every": 30}),
+           fixed={**SHORT_RUN, "steps": 60, "eval_every": 30, "checkpoint.every": 30}),
     Recipe("batch_vs_accumulation",
            "A small batch, a 4x batch, and the 4x batch as 4 accumulated micro-batches (same math, less memory).",
            cases=({"batch_size": 4, "grad_accum": 1}, {"batch_size": 16, "grad_accum": 1},
-                  {"batch_size": 16, "grad_accum": 4})),
+                  {"batch_size": 16, "grad_accum": 4}),
+           fixed=SHORT_RUN),
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),

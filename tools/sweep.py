@@ -64,7 +64,7 @@ def run_name(fields: dict) -> str:
 
 
 def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
-  settings = {**recipe.shared(), **fields}
+  settings = {**recipe.fixed, **fields}
   return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
           *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}"]
 
