@@ -47,6 +47,15 @@ def base() -> ml_collections.ConfigDict:
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
 
+  c.moe = ml_collections.ConfigDict()
+  c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense
+  c.moe.every = 1  # every k-th layer's feed-forward is a mixture of experts (1: all, 2: alternate)
+  c.moe.top_k = 2  # experts per token; their router weights are renormalised to sum to one
+  c.moe.capacity_factor = 1.25  # slots per expert = factor x k x tokens / E per sequence; overflow is dropped
+  c.moe.dropless = False  # True: capacity for every token (no drops; memory grows as length^2)
+  c.moe.balance_weight = 0.01  # alpha in alpha * E * sum_i f_i P_i (Switch Transformer)
+  c.moe.z_weight = 0.001  # router z-loss: mean squared log-sum-exp of the router logits (ST-MoE)
+
   c.attention = ml_collections.ConfigDict()
   c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses
 

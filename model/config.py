@@ -21,6 +21,26 @@ class ModelConfig:
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
+  num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
+  moe_every: int = 1
+  moe_top_k: int = 2
+  moe_capacity_factor: float = 1.25
+  moe_dropless: bool = False
+  moe_balance_weight: float = 0.01
+  moe_z_weight: float = 0.001
+
+  @property
+  def layers_per_unit(self) -> int:
+    """Layers in each scanned unit: one dense block, or moe_every blocks whose last is MoE."""
+    return self.moe_every if self.num_experts else 1
+
+  @property
+  def num_units(self) -> int:
+    return self.num_layers // self.layers_per_unit
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_units if self.num_experts else 0
 
   @property
   def head_dim(self) -> int:
@@ -33,6 +53,13 @@ class ModelConfig:
   @property
   def padded_vocab(self) -> int:
     return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+  @property
+  def idle_expert_params(self) -> int:
+    """Parameters of the E - k experts a token skips: they cost memory but no FLOPs (MFU leaves them out)."""
+    d, f = self.embed_dim, self.mlp_dim
+    per_expert = 3 * d * f if self.family == "llama" else 2 * d * f + f + d
+    return (self.num_experts - self.moe_top_k) * per_expert * self.moe_layers
 
   @property
   def dtype(self):
@@ -51,6 +78,21 @@ class ModelConfig:
       raise ValueError(f"model.remat={self.remat!r} is unknown; use none, full or save_dots.")
     if self.attention not in ("xla", "cudnn"):
       raise ValueError(f"model.attention={self.attention!r} is unknown; use xla or cudnn.")
+    if self.num_experts:
+      self._check_moe()
     if self.compute_dtype not in ("float32", "bfloat16", "float16"):
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use float32, bfloat16 or float16.")
+
+  def _check_moe(self):
+    if self.num_experts < 0:
+      raise ValueError(f"moe.experts={self.num_experts} is negative; use 0 for a dense model or E > 0 experts.")
+    if not 1 <= self.moe_top_k <= self.num_experts:
+      raise ValueError(f"moe.top_k={self.moe_top_k} must be between 1 and moe.experts={self.num_experts}; "
+                       "each token picks k distinct experts.")
+    if not self.moe_dropless and self.moe_capacity_factor <= 0:
+      raise ValueError(f"moe.capacity_factor={self.moe_capacity_factor} must be positive (1.0 is each "
+                       "expert's fair share, 1.25 is usual); set moe.dropless=True to drop nothing.")
+    if self.moe_every < 1 or self.num_layers % self.moe_every:
+      raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
+                       "every k-th layer is MoE, so choose a k that divides the layer count.")

@@ -7,6 +7,7 @@ from flax import nnx
 from model.attention import attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param
+from model.moe import MoE, feed_forward
 from model.sharding_hooks import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
 
@@ -80,15 +81,16 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-RMSNorm block."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     self.norm_attn = RMSNorm(cfg.embed_dim)
     self.attn = Attention(cfg, rngs)
     self.norm_mlp = RMSNorm(cfg.embed_dim)
-    self.mlp = SwiGLU(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
 
   def __call__(self, x_BTD, positions_T):
     x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T), ACTIVATION_AXES)
-    return x_BTD + self.mlp(self.norm_mlp(x_BTD))
+    y_BTD, stats = feed_forward(self.mlp, self.norm_mlp(x_BTD), positions_T)
+    return x_BTD + y_BTD, stats
 
 
 class Llama(LanguageModel):

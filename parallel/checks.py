@@ -22,6 +22,12 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
+  if model.num_experts:
+    _divides("moe.experts", model.num_experts, "mesh.expert", shape[EXPERT])
+    if shape[PIPELINE] > 1:
+      raise ValueError(
+          f"moe.experts={model.num_experts} with mesh.pipeline={shape[PIPELINE]}: the pipeline schedules "
+          "do not carry the router's auxiliary losses yet; shard a MoE model over data, expert and tensor.")
   if zero == 3:
     _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
   if grad_accum < 1 or batch_size % grad_accum:

@@ -13,7 +13,7 @@ from model.sharding_hooks import activation_resolver
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
 ACTIVATION_RULES = (
-    ("batch", (DATA, EXPERT)),  # outside MoE layers expert devices act as data parallel
+    ("batch", (EXPERT, DATA)),  # outside MoE layers expert devices act as data parallel
     ("length", SEQUENCE),
     ("heads", TENSOR),
     ("kv_heads", TENSOR),

@@ -12,7 +12,7 @@ from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
 from training.preemption import StopRequests
 from training.sample import generate
-from training.state import init_state, param_count, plan
+from training.state import active_param_count, init_state, param_count, plan
 from training.step import make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
 
@@ -63,10 +63,11 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
 def _run(config, layout, state, start, checkpoints, train_split, val_split) -> dict:
   seq_len = layout.model.max_len
   train_step, eval_step = make_train_step(layout, config), make_eval_step(layout)
-  flops_token = metrics.flops_per_token(layout.model, param_count(layout))
+  flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
   writer = metrics.MetricsWriter(config.workdir, after_step=start)
-  _log(f"training {param_count(layout):,} parameters on {layout.mesh.size} devices, "
+  active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
+  _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
   def evaluate(params) -> float:
@@ -93,7 +94,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
-                "skipped": int(fetched["skipped"])}
+                "skipped": int(fetched["skipped"]), **_router_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
@@ -125,11 +126,24 @@ def _sample(layout, params, config, tokenizer_name: str) -> str:
   return repr(config.sample_prompt + tokenizer.decode(ids))
 
 
+def _router_figures(fetched: dict) -> dict:
+  """A MoE model's router statistics as scalars; each expert's share of the choices gets its own key."""
+  figures = {key: float(value) for key, value in fetched.items() if key.startswith("moe_")}
+  if "expert_load" in fetched:
+    figures.update({f"expert_load/{i}": float(share) for i, share in enumerate(fetched["expert_load"])})
+  return figures
+
+
 def _format(m: dict) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
   skipped = f"  skipped {m['skipped']}" if m["skipped"] else ""
-  return (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+  line = (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
           f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}")
+  if "moe_balance_loss" in m:
+    loads = [value for key, value in m.items() if key.startswith("expert_load/")]
+    line += (f"  balance {m['moe_balance_loss']:.3f}  z {m['moe_z_loss']:.2f}  dropped {m['moe_dropped']:.1%}"
+             f"  expert load {min(loads):.3f}..{max(loads):.3f}")
+  return line
 
 
 def _log(line: str) -> None:

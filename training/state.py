@@ -32,7 +32,10 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, compute_dtype=config.precision.compute,
-                     kv_heads=m.kv_heads, rope_theta=m.rope_theta)
+                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, num_experts=config.moe.experts,
+                     moe_every=config.moe.every, moe_top_k=config.moe.top_k,
+                     moe_capacity_factor=config.moe.capacity_factor, moe_dropless=config.moe.dropless,
+                     moe_balance_weight=config.moe.balance_weight, moe_z_weight=config.moe.z_weight)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -110,4 +113,9 @@ def init_state(layout: Layout, seed: int) -> dict:
 
 def param_count(layout: Layout) -> int:
   return sum(x.size for x in jax.tree.leaves(layout.abstract_state["params"]))
+
+
+def active_param_count(layout: Layout) -> int:
+  """Parameters each token computes with: all of a dense model's, the top-k experts' of a MoE one."""
+  return param_count(layout) - layout.model.idle_expert_params
 
