@@ -60,8 +60,13 @@ def base() -> ml_collections.ConfigDict:
   c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses
 
   c.precision = ml_collections.ConfigDict()
-  c.precision.compute = "bfloat16"  # matmul dtype; params, norms, softmax, loss stay fp32
-  c.precision.params = "float32"  # master weights and optimizer state
+  # Matmul and activation dtype: float32 | bfloat16 | float16 (with dynamic loss scaling) | float8
+  # (weight matmuls in fp8, E4M3 forward and E5M2 gradients, between bfloat16 activations).
+  # Master weights, norms, softmax and the loss stay float32 whatever this says.
+  c.precision.compute = "bfloat16"
+  c.precision.moments = "float32"  # Adam's m and v as stored: float32 | bfloat16 (their arithmetic stays float32)
+  c.precision.loss_scale = 2.0**15  # float16: the starting loss scale
+  c.precision.loss_scale_growth = 1000  # float16: finite steps in a row before the scale doubles
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: the devices the other axes leave over

@@ -4,6 +4,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")  # model/transformer.py
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 
 
@@ -16,7 +18,7 @@ class ModelConfig:
   mlp_dim: int
   max_len: int
   vocab_size: int
-  remat: str = "none"  # none | full | save_dots
+  remat: str = "none"  # none | full | save_dots | save_attention | offload
   attention: str = "xla"  # xla | cudnn
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
@@ -63,7 +65,12 @@ class ModelConfig:
 
   @property
   def dtype(self):
-    return jnp.dtype(self.compute_dtype)
+    """The activations' dtype; float8 runs its weight matmuls in fp8 between bfloat16 activations."""
+    return jnp.dtype("bfloat16" if self.fp8 else self.compute_dtype)
+
+  @property
+  def fp8(self) -> bool:
+    return self.compute_dtype == "float8"
 
   def __post_init__(self):
     if self.embed_dim % self.num_heads:
@@ -74,15 +81,15 @@ class ModelConfig:
       raise ValueError(
           f"model.num_heads={self.num_heads} is not a multiple of model.kv_heads={self.num_kv_heads}; "
           "grouped-query attention shares each key/value head among an equal number of query heads.")
-    if self.remat not in ("none", "full", "save_dots"):
-      raise ValueError(f"model.remat={self.remat!r} is unknown; use none, full or save_dots.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}.")
     if self.attention not in ("xla", "cudnn"):
       raise ValueError(f"model.attention={self.attention!r} is unknown; use xla or cudnn.")
     if self.num_experts:
       self._check_moe()
-    if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+    if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
-          f"precision.compute={self.compute_dtype!r} is unknown; use float32, bfloat16 or float16.")
+          f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
 
   def _check_moe(self):
     if self.num_experts < 0:

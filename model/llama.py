@@ -50,14 +50,14 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_T):
     cfg, dtype = self.cfg, self.cfg.dtype
-    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype), positions_T, cfg.rope_theta)
-    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype), positions_T, cfg.rope_theta)
-    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype)
+    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
+    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
+    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8)
     q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg.attention)
-    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype)
+    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, cfg.fp8)
 
 
 class SwiGLU(nnx.Module):
@@ -71,11 +71,11 @@ class SwiGLU(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BTD):
-    dtype = self.cfg.dtype
-    gate_BTF = jax.nn.silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype))
-    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype),
+    cfg, dtype = self.cfg, self.cfg.dtype
+    gate_BTF = jax.nn.silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8))
+    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
                       ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype)
+    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)
 
 
 class Block(nnx.Module):

@@ -111,16 +111,16 @@ class MoE(nnx.Module):
 
   def experts(self, x_EBCD, *weights):
     """Each expert's feed-forward layer on its own slots; the expert axis may be a local shard."""
-    dtype = self.cfg.dtype
+    dtype, fp8 = self.cfg.dtype, self.cfg.fp8
     if self.gated:
       gate_EDF, up_EDF, down_EFD = weights
-      h_EBCF = jax.nn.silu(matmul("ebcd,edf->ebcf", x_EBCD, gate_EDF, dtype)) * matmul(
-          "ebcd,edf->ebcf", x_EBCD, up_EDF, dtype)
-      return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype)
+      h_EBCF = jax.nn.silu(matmul("ebcd,edf->ebcf", x_EBCD, gate_EDF, dtype, fp8)) * matmul(
+          "ebcd,edf->ebcf", x_EBCD, up_EDF, dtype, fp8)
+      return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype, fp8)
     up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h_EBCF = matmul("ebcd,edf->ebcf", x_EBCD, up_EDF, dtype) + up_bias_EF[:, None, None].astype(dtype)
+    h_EBCF = matmul("ebcd,edf->ebcf", x_EBCD, up_EDF, dtype, fp8) + up_bias_EF[:, None, None].astype(dtype)
     h_EBCF = jax.nn.gelu(h_EBCF, approximate=True)
-    return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype) + down_bias_ED[:, None, None].astype(dtype)
+    return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype, fp8) + down_bias_ED[:, None, None].astype(dtype)
 
 
 def feed_forward(layer, x_BTD, positions_T):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
 from model.moe import AUX_LOSS, summarize
 from model.sharding_hooks import constrain
@@ -18,9 +19,14 @@ from model.sharding_hooks import constrain
 ACTIVATION_AXES = ("batch", "length", "embed")
 STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
 
-REMAT_POLICIES = {
-    "full": None,  # save nothing, recompute the whole block in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+CHECKPOINT_POLICIES = {  # model.remat: what the backward pass keeps rather than recomputes
+    "full": None,  # nothing: the whole block is recomputed
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight matmuls' outputs
+    "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),  # attention's output
+    # attention's output, moved to host memory until the backward pass needs it
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[ATTENTION_OUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -62,7 +68,7 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig):
     return constrain(x_BTD, ACTIVATION_AXES), stats
 
   if cfg.remat != "none":
-    apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
   return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None), out_axes=(nnx.Carry, 0))(x_BTD, blocks, positions_T)
 
 

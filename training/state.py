@@ -17,8 +17,9 @@ from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
 from parallel import rules
-from parallel.checks import check_divides
+from parallel.checks import check_backend, check_divides
 from parallel.mesh import PIPELINE, SEQUENCE, make_mesh
+from training import loss_scale
 from training.optimizer import make_optimizer
 
 MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama}
@@ -56,6 +57,7 @@ class Layout:
   microbatches: int
   virtual_stages: int
   context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
+  initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
 
   @property
   def param_shardings(self):
@@ -71,6 +73,7 @@ def plan(config, devices=None) -> Layout:
   cfg = model_config(config)
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
                 zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
+  check_backend(cfg, mesh.devices.flat[0])
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
@@ -91,12 +94,16 @@ def plan(config, devices=None) -> Layout:
   counter = jax.ShapeDtypeStruct((), jnp.int32)
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
+  if loss_scale.uses_loss_scaling(config):
+    abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
+    state_shardings["loss_scale"] = {"scale": replicated, "good_steps": replicated}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
                 virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1,
-                context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none")
+                context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
+                initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
 
 
 def init_state(layout: Layout, seed: int) -> dict:
@@ -105,8 +112,11 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
-            "skipped": jnp.zeros((), jnp.int32)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+             "skipped": jnp.zeros((), jnp.int32)}
+    if layout.initial_loss_scale is not None:
+      state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
+    return state
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
 

@@ -10,6 +10,7 @@ from flax import nnx
 from model.sharding_hooks import context_strategy, expert_parallelism
 from parallel import context, experts, microbatch, pipeline, rules
 from parallel.mesh import EXPERT, SEQUENCE
+from training import loss_scale
 from training.optimizer import learning_rate
 from training.state import Layout
 
@@ -42,10 +43,12 @@ def placement(layout: Layout):
     yield
 
 
-def schedule_grad_fn(layout: Layout):
+def schedule_grad_fn(layout: Layout, scale=None):
   """(params, batch) -> ((loss, stats), grads) for the layout: gradients belong to the pipeline schedule.
 
-  The pipeline schedules run dense models only (parallel/checks.py), so their statistics are empty.
+  With a loss `scale` the gradients are of scale x loss (float16 loss scaling); the loss returned
+  is unscaled. The pipeline schedules run dense models only (parallel/checks.py), so their
+  statistics are empty, and 1F1B, which differentiates stage by stage, runs unscaled.
   """
   if layout.schedule == "1f1b":
     def one_f_one_b(p, b):
@@ -53,13 +56,29 @@ def schedule_grad_fn(layout: Layout):
       return (loss, {}), grads
     return one_f_one_b
   if layout.schedule in ("gpipe", "interleaved"):
-    return jax.value_and_grad(lambda p, b: (pipeline.circular_loss(layout, p, b), {}), has_aux=True)
-  return jax.value_and_grad(lambda p, b: objective(layout, p, b), has_aux=True)
+    loss_of = lambda p, b: (pipeline.circular_loss(layout, p, b), {})
+  else:
+    loss_of = lambda p, b: objective(layout, p, b)
+  if scale is None:
+    return jax.value_and_grad(loss_of, has_aux=True)
+
+  def scaled(p, b):
+    loss, stats = loss_of(p, b)
+    return loss * scale, (loss, stats)
+
+  def grad_fn(p, b):
+    (_, loss_stats), grads = jax.value_and_grad(scaled, has_aux=True)(p, b)
+    return loss_stats, grads
+
+  return grad_fn
 
 
-def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
-  """((objective, stats), gradients), each the mean over `grad_accum` micro-batches of the batch."""
-  grad_fn = schedule_grad_fn(layout)
+def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
+  """((objective, stats), gradients), each the mean over `grad_accum` micro-batches of the batch.
+
+  Under a loss `scale` the gradients stay scaled: the caller checks them for overflow, then unscales.
+  """
+  grad_fn = schedule_grad_fn(layout, scale)
   if grad_accum == 1:
     return grad_fn(params, batch)
 
@@ -79,16 +98,20 @@ def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
 def make_train_step(layout: Layout, config):
   """The jitted step with explicit shardings for every leaf; the incoming state is donated."""
   schedule = learning_rate(config)
-  grad_accum = config.grad_accum
+  grad_accum, growth_interval = config.grad_accum, config.precision.loss_scale_growth
 
   def train_step(state, batch):
+    scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
     with placement(layout):
-      (loss, stats), grads = loss_and_grads(layout, state["params"], batch, grad_accum)
+      (loss, stats), grads = loss_and_grads(layout, state["params"], batch, grad_accum, scale)
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     # A non-finite loss or gradient never reaches the weights: the update is
     # dropped and counted, and the loop applies config.nonfinite to the count.
+    # Under float16 this is also the loss scaler's overflow skip.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
@@ -98,6 +121,9 @@ def make_train_step(layout: Layout, config):
     metrics = {**stats, "loss": stats.get("cross_entropy", loss), "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "skipped": new_state["skipped"]}
     metrics.pop("cross_entropy", None)
+    if scale is not None:
+      new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)
+      metrics["loss_scale"] = scale
     return new_state, metrics
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
