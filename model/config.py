@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
+NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,7 @@ class ModelConfig:
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
+  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (NORM_EPS)
 
   @property
   def head_dim(self) -> int:
@@ -29,6 +31,10 @@ class ModelConfig:
   @property
   def num_kv_heads(self) -> int:
     return self.kv_heads or self.num_heads
+
+  @property
+  def epsilon(self) -> float:
+    return self.norm_eps or NORM_EPS[self.family]
 
   @property
   def padded_vocab(self) -> int:

@@ -32,7 +32,7 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, compute_dtype=config.precision.compute,
-                     kv_heads=m.kv_heads, rope_theta=m.rope_theta)
+                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -102,10 +102,20 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
-            "skipped": jnp.zeros((), jnp.int32)}
+    return _first_state(layout, params)
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
+
+
+def state_from_params(layout: Layout, params: dict) -> dict:
+  """Step 0 around given parameters (already in their shardings, and donated): fresh optimizer state."""
+  return jax.jit(lambda p: _first_state(layout, p), out_shardings=layout.state_shardings,
+                 donate_argnums=0)(params)
+
+
+def _first_state(layout: Layout, params: dict) -> dict:
+  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+          "skipped": jnp.zeros((), jnp.int32)}
 
 
 def param_count(layout: Layout) -> int:
