@@ -201,11 +201,17 @@ def tied_head(cfg: ModelConfig, params: dict) -> bool:
   return bool(np.array_equal(params["head"][:, :v], params["embed"][:v].T))
 
 
-def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
-  """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure."""
+def check_new_directory(directory: str) -> Path:
+  """`directory`, resolved, if it does not exist or is empty: export never writes over anything."""
   target = Path(directory).expanduser().resolve()
   if target.exists() and (not target.is_dir() or any(target.iterdir())):
     raise ValueError(f"{target} already exists and is not an empty directory; export writes a new one.")
+  return target
+
+
+def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
+  """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure."""
+  target = check_new_directory(directory)
   tied = tied_head(cfg, params)
   hf = {}
   for path, tensor in hf_mapping.tensors(cfg, tied).items():
@@ -220,6 +226,7 @@ def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
   try:
     save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
     (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied), indent=2) + "\n")
+    os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
     os.chmod(partial, 0o755)
     partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
   finally:

@@ -170,6 +170,6 @@ def hf_config(cfg: ModelConfig, tied: bool) -> dict:
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
-              hidden_act="silu", rope_theta=cfg.rope_theta,
+              hidden_act="silu", rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
               tie_word_embeddings=tied, dtype="float32")
