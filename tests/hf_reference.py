@@ -4,8 +4,8 @@
 
 JOBS.json is a list of jobs, run in order in one process (torch and
 transformers take seconds to import, so the tests batch their questions):
-  {"make": "gpt2" | "llama", "dir": D, "config": {...}, "seed": S}
-      a model with every weight random (norms and biases too), save_pretrained to D
+  {"make": "gpt2" | "llama", "dir": D, "config": {...}, "seed": S, "save": {...}}
+      a model with every weight random (norms and biases too), save_pretrained(D, **save)
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
       transformers' own causal-LM loss with `targets` as the shifted labels
@@ -38,7 +38,7 @@ def make(job):
       # Norm scales near 1 keep activations in range; everything else plainly random.
       base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else 0.0
       weight.copy_(base + 0.1 * torch.randn_like(weight))
-  model.save_pretrained(job["dir"])
+  model.save_pretrained(job["dir"], **job["save"])
 
 
 def logits(job):

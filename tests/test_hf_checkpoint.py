@@ -35,13 +35,15 @@ SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
 SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
          ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
 VOCAB = 300  # padded to 384 inside meshlm
+# name: (family, transformers config, save_pretrained arguments)
 MODELS = {
-    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128)),
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128), {}),
     "llama": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                            rope_theta=500.0, tie_word_embeddings=False)),
+                            rope_theta=500.0, tie_word_embeddings=False), {}),
     "llama_tied": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+                                 num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+                   {"max_shard_size": "100KB"}),  # several files and model.safetensors.index.json
 }
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
@@ -74,8 +76,8 @@ def reference(tmp_path_factory):
   np.save(where / "inputs.npy", rows[:, :-1])
   np.save(where / "targets.npy", rows[:, 1:])
   jobs = []
-  for seed, (name, (family, hf_config)) in enumerate(MODELS.items()):
-    jobs.append({"make": family, "dir": str(where / name), "config": hf_config, "seed": seed})
+  for seed, (name, (family, hf_config, save)) in enumerate(MODELS.items()):
+    jobs.append({"make": family, "dir": str(where / name), "config": hf_config, "seed": seed, "save": save})
     jobs.append({"logits": str(where / name), "tokens": str(where / "tokens.npy"),
                  "out": str(where / f"{name}_logits.npy")})
   jobs.append({"loss": str(where / "gpt2"), "inputs": str(where / "inputs.npy"),
@@ -113,6 +115,7 @@ def test_logits_match_transformers(reference, name, mesh):
   _, layout, params = imported(reference / name, devices, **MESHES[mesh])
   ours = logits(layout, params, np.load(reference / "tokens.npy"))
   expected = np.load(reference / f"{name}_logits.npy")
+  assert (reference / name / hf_checkpoint.WEIGHTS_INDEX).exists() == bool(MODELS[name][2])
   assert ours.shape[-1] == 384 and np.all(ours[..., VOCAB:] == np.finfo(np.float32).min)  # padding masked
   error = np.abs(ours[..., :VOCAB] - expected).max() / np.abs(expected).max()
   assert error < 1e-5, f"{name} on {mesh}: logits differ from transformers by {error:.2e} relative"
