@@ -23,6 +23,9 @@ def base() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
   c.resume = "auto"  # auto: from the workdir's latest checkpoint | never | a step number
   c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
+  # hf:<directory>: start from a Hugging Face GPT-2 or Llama checkpoint (config.json + safetensors),
+  # whose config.json sets the model fields; empty: random initialisation.
+  c.init_from = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved
@@ -46,6 +49,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention = "xla"  # the attention kernel: xla | cudnn (GPU only)
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
+  c.model.norm_eps = 0.0  # LayerNorm / RMSNorm epsilon; 0: the family's own (gpt2 1e-5, llama 1e-6)
 
   c.moe = ml_collections.ConfigDict()
   c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")  # model/transformer.py
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
+NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ModelConfig:
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
+  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (NORM_EPS)
   num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
   moe_every: int = 1
   moe_top_k: int = 2
@@ -51,6 +53,10 @@ class ModelConfig:
   @property
   def num_kv_heads(self) -> int:
     return self.kv_heads or self.num_heads
+
+  @property
+  def epsilon(self) -> float:
+    return self.norm_eps or NORM_EPS[self.family]
 
   @property
   def padded_vocab(self) -> int:

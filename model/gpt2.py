@@ -16,9 +16,9 @@ class Block(nnx.Module):
   """Pre-LayerNorm transformer block."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-    self.ln_attn = LayerNorm(cfg.embed_dim)
+    self.ln_attn = LayerNorm(cfg.embed_dim, cfg.epsilon)
     self.attn = SelfAttention(cfg, rngs)
-    self.ln_mlp = LayerNorm(cfg.embed_dim)
+    self.ln_mlp = LayerNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
@@ -43,7 +43,7 @@ class GPT2(LanguageModel):
     self.cfg = cfg
     self.embed = Embed(cfg, rngs)
     self.blocks = stacked(Block, cfg, rngs)
-    self.ln_final = LayerNorm(cfg.embed_dim)
+    self.ln_final = LayerNorm(cfg.embed_dim, cfg.epsilon)
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     positions_T = jax.numpy.arange(tokens_BT.shape[1]) if positions_T is None else positions_T

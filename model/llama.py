@@ -82,9 +82,9 @@ class Block(nnx.Module):
   """Pre-RMSNorm block."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-    self.norm_attn = RMSNorm(cfg.embed_dim)
+    self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.attn = Attention(cfg, rngs)
-    self.norm_mlp = RMSNorm(cfg.embed_dim)
+    self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
 
   def __call__(self, x_BTD, positions_T):
@@ -100,7 +100,7 @@ class Llama(LanguageModel):
     self.cfg = cfg
     self.embed = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
     self.blocks = stacked(Block, cfg, rngs)
-    self.norm_final = RMSNorm(cfg.embed_dim)
+    self.norm_final = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"))
 
   def embed_tokens(self, tokens_BT, positions_T=None):

@@ -7,12 +7,12 @@ import numpy as np
 from tqdm import tqdm
 
 from parallel import distributed
-from training import data, metrics
+from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
 from training.preemption import StopRequests
 from training.sample import generate
-from training.state import active_param_count, init_state, param_count, plan
+from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
 
@@ -20,6 +20,9 @@ from training.tokenizer import load_tokenizer
 def train(config, dry_run: bool = False) -> dict:
   """Train per `config`; returns the last logged metrics (and the final eval loss, if any)."""
   distributed.initialize(config.distributed)
+  pretrained = hf_checkpoint.open_init_from(config.init_from)
+  if pretrained is not None:
+    pretrained.configure(config)  # the checkpoint decides the model's shape
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
@@ -32,7 +35,10 @@ def train(config, dry_run: bool = False) -> dict:
 
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
   start = _resume_step(checkpoints, config.resume)
-  if start is None:
+  if start is None and pretrained is not None:
+    _log(f"initialising from {pretrained.describe(layout.model)}")
+    state = state_from_params(layout, pretrained.load_params(layout))
+  elif start is None:
     state = init_state(layout, config.seed)
   else:
     state = checkpoints.restore(start, abstract_inputs(layout, config)[0])

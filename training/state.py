@@ -33,7 +33,8 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, compute_dtype=config.precision.compute,
-                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, num_experts=config.moe.experts,
+                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                     num_experts=config.moe.experts,
                      moe_every=config.moe.every, moe_top_k=config.moe.top_k,
                      moe_capacity_factor=config.moe.capacity_factor, moe_dropless=config.moe.dropless,
                      moe_balance_weight=config.moe.balance_weight, moe_z_weight=config.moe.z_weight)
@@ -112,13 +113,23 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
-             "skipped": jnp.zeros((), jnp.int32)}
-    if layout.initial_loss_scale is not None:
-      state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
-    return state
+    return _first_state(layout, params)
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
+
+
+def state_from_params(layout: Layout, params: dict) -> dict:
+  """Step 0 around given parameters (already in their shardings, and donated): fresh optimizer state."""
+  return jax.jit(lambda p: _first_state(layout, p), out_shardings=layout.state_shardings,
+                 donate_argnums=0)(params)
+
+
+def _first_state(layout: Layout, params: dict) -> dict:
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+           "skipped": jnp.zeros((), jnp.int32)}
+  if layout.initial_loss_scale is not None:
+    state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
+  return state
 
 
 def param_count(layout: Layout) -> int:
