@@ -273,18 +273,19 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
 def _tensor_parallel(config, mesh, traffic):
   """Megatron-LM: per layer, the attention and MLP outputs are all-reduced forward, their inputs' gradients backward.
 
-  Outside the layers: the vocabulary-sharded embedding lookup (float32,
-  before the cast) forward, the head's input gradient backward, and the
-  softmax's max, sum and the loss's contraction over the vocabulary, each a
-  float32 value per token.
+  The row-parallel matmuls accumulate in float32 and cast after the
+  reduction, so these all-reduces carry float32 whatever the compute dtype.
+  Outside the layers: the vocabulary-sharded embedding lookup forward, the
+  head's input gradient backward, and the softmax's max, sum and the loss's
+  contraction over the vocabulary, each a float32 value per token.
   """
   if mesh[TENSOR] == 1:
     return
   d, t = dims(config, mesh), mesh[TENSOR]
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
-  per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
-  outside = d.tokens * (d.embed * (4 + d.compute_bytes) + 4 * 4)
+  per_layer = 2 * _all_reduce(d.tokens * d.embed * 4, t)
+  outside = d.tokens * (2 * d.embed + 4) * 4
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))
