@@ -36,19 +36,24 @@ _SIMULATE_DEVICES = flags.DEFINE_integer(
     "plans a cluster of that size from one machine.", lower_bound=0)
 
 
-def _simulate(devices: int) -> None:
+def _simulate(devices: int, dry_run: bool) -> None:
   """Make jax see `devices` CPU devices; only works before jax is first imported."""
   os.environ["JAX_PLATFORMS"] = "cpu"
+  extra = [f"--xla_force_host_platform_device_count={devices}"]
+  if dry_run:
+    # XLA's CPU-only pass that widens bf16 all-reduces to float32 aborts on the
+    # pipeline's bf16 psums; a program that is only compiled, never run, can skip it.
+    extra.append("--xla_disable_hlo_passes=all-reduce-promotion")
   os.environ["XLA_FLAGS"] = " ".join(
       [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-      + [f"--xla_force_host_platform_device_count={devices}"])
+      + extra)
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep jax's backend chatter off the console
   if _SIMULATE_DEVICES.value:
-    _simulate(_SIMULATE_DEVICES.value)
+    _simulate(_SIMULATE_DEVICES.value, _DRY_RUN.value)
   from training.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
   config_file = flags.FLAGS["config"].config_filename.split(":")[0]
   if not os.path.isfile(config_file):

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from model.config import VOCAB_MULTIPLE
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
@@ -76,7 +77,7 @@ class Dims:
 def dims(config, mesh: dict) -> Dims:
   m, tensor = config.model, mesh[TENSOR]
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
-  padded_vocab = -(-m.vocab_size // 128) * 128
+  padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   return Dims(mesh=mesh, batch=config.batch_size // micro // (mesh[DATA] * mesh[EXPERT]),
               length=m.max_len // mesh[SEQUENCE], full_length=m.max_len, embed=m.embed_dim,
               mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
