@@ -21,7 +21,6 @@ does, one documented rewrite each (also listed in the README):
   runs as one all-reduce over `sequence` and then one over `data`.
 """
 
-import jax
 import pytest
 
 from conftest import tiny_config
