@@ -32,6 +32,7 @@ from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
 ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0}
 INT32_BYTES = 4
+MASTER_BYTES = 4  # master weights and their gradients are float32 whatever the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ def dims(config, mesh: dict) -> Dims:
               length=m.max_len // mesh[SEQUENCE], full_length=m.max_len, embed=m.embed_dim,
               mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
               kv_heads=(m.kv_heads or m.num_heads) // tensor, head_dim=m.embed_dim // m.num_heads,
-              vocab=padded_vocab // tensor, compute_bytes=np.dtype(config.precision.compute).itemsize,
+              vocab=padded_vocab // tensor, compute_bytes=_compute_bytes(config),
               context=config.attention.context if mesh[SEQUENCE] > 1 else "none")
 
 
@@ -104,9 +105,9 @@ def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
 def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
   zero, d = config.sharding.zero, dims(config, mesh)
-  param_bytes = np.dtype(config.precision.params).itemsize
-  params = sum(shard_elements(w, mesh, rules.weight_rules(zero)) for w in weights) * param_bytes
-  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero)) for w in weights) * param_bytes
+  params = sum(shard_elements(w, mesh, rules.weight_rules(zero)) for w in weights) * MASTER_BYTES
+  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero)) for w in weights)
+             * np.dtype(config.precision.moments).itemsize)
   if config.optimizer.name not in ADAM_MOMENTS:
     raise ValueError(f"optimizer.name={config.optimizer.name!r} has no memory estimate.")
   local_batch = config.batch_size // (mesh[DATA] * mesh[EXPERT])
@@ -140,7 +141,12 @@ def _cast_weight_bytes(config, mesh, weights) -> int:
   """One layer's matrices in the compute dtype, as the step uses them (gathered under FSDP)."""
   layers = config.model.num_layers // mesh[PIPELINE]
   return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
-             if w.stacked and len(w.shape) > 2) // layers * np.dtype(config.precision.compute).itemsize
+             if w.stacked and len(w.shape) > 2) // layers * _compute_bytes(config)
+
+
+def _compute_bytes(config) -> int:
+  """Bytes per activation value: float8 multiplies in fp8 but keeps its activations in bfloat16."""
+  return 2 if config.precision.compute == "float8" else np.dtype(config.precision.compute).itemsize
 
 
 def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
@@ -155,6 +161,10 @@ def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
     mlp_in = (1 if config.model.family == "gpt2" else 2) * d.mlp
     qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
     return d.activation_bytes(d.embed + qkv + 2 * d.embed + mlp_in)
+  if policy == "save_attention":
+    return d.activation_bytes(d.embed + d.heads * d.head_dim)  # the block input and attention's output
+  if policy == "offload":
+    return d.activation_bytes(d.embed)  # attention's output waits in host memory, not on the device
   raise ValueError(f"model.remat={policy!r} has no memory estimate.")
 
 
@@ -189,7 +199,7 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
 def _stage_weight_bytes(config, mesh, weights) -> int:
   """The stacked weights one stage holds, whole over `data`, in the parameter dtype."""
   return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights if w.stacked) * \
-      np.dtype(config.precision.params).itemsize
+      MASTER_BYTES
 
 
 def _axes_key(axes) -> str:
@@ -227,7 +237,7 @@ def _gradients(config, mesh, weights, traffic):
   twice (lookup and head), and XLA reduces the two uses' gradients apart.
   """
   zero, accum = config.sharding.zero, config.grad_accum
-  param_bytes = np.dtype(config.precision.params).itemsize
+  param_bytes = MASTER_BYTES
   token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
   tied = config.model.family == "gpt2"
   for w in weights:
@@ -309,7 +319,7 @@ def _pipeline(config, mesh, weights, traffic):
   if config.pipeline.schedule == "1f1b":
     ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
     shared = sum(shard_elements(w, mesh, rules.weight_rules(config.sharding.zero))
-                 for w in weights if not w.stacked) * np.dtype(config.precision.params).itemsize
+                 for w in weights if not w.stacked) * MASTER_BYTES
     traffic[("all-reduce", PIPELINE)] += accum * (_all_reduce(shared + micro * hop, stages))
   else:
     virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
