@@ -23,6 +23,9 @@ def base() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
   c.resume = "auto"  # auto: from the workdir's latest checkpoint | never | a step number
   c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
+  # "FIRST,LAST": a jax.profiler trace of steps FIRST..LAST (1-based, inclusive, as logged) into
+  # <workdir>/profile, for TensorBoard's profile plugin or ui.perfetto.dev; empty: no trace
+  c.profile_steps = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved
