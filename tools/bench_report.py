@@ -71,9 +71,13 @@ def _peer_names(peers: list[dict]) -> list[str]:
   return sorted({p["peer"] for p in peers}, reverse=True)  # torch.compile first
 
 
+def _failed(r: dict) -> str:
+  return f"error: {r['error']}" if r.get("error") else "no result"
+
+
 def _result_cells(r: dict) -> list[str]:
-  if r.get("error"):
-    return [f"error: {r['error']}"] + [""] * 5
+  if not r.get("tokens_per_s"):
+    return [_failed(r)] + [""] * 5
   mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
   return [f"{r['tokens_per_s']:,.0f}", mfu, _num(1e3 * r["step_s"], ".1f"), _num(r.get("peak_mem_gib"), ".2f"),
           _num(r.get("compile_s"), ".1f"), f"{r['compute']}/{r['attention']}"]
@@ -89,9 +93,7 @@ def _equal_batch(ours: list[dict], peers: list[dict]) -> str:
     first = next((f for f in ours if f["config"] == first_config and f["batch"] == r["batch"]
                   and f["preset"] == r["preset"]), None)
     rows.append([r["config"], r["batch"], r.get("seq", ""), r["preset"], *_result_cells(r),
-                 "" if r.get("error") else _ratio(r, first)]
-                + ["" if r.get("error") else _ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"]))
-                   for n in names])
+                 _ratio(r, first)] + [_ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"])) for n in names])
   return _table(header, rows)
 
 
@@ -139,8 +141,8 @@ def _layouts(layouts: list[dict]) -> str:
   rows = []
   for r in layouts:
     single = next((s for s in layouts if s["group"] == r["group"] and s["devices"] == 1 and s.get("step_s")), None)
-    if r.get("error"):
-      rows.append([r["group"], r["layout"], r.get("devices", ""), f"error: {r['error']}", "", "", ""])
+    if not r.get("tokens_per_s"):
+      rows.append([r["group"], r["layout"], r.get("devices", ""), _failed(r), "", "", ""])
       continue
     ratio = f"{r['step_s'] / single['step_s']:.2f}" if single else ""
     rows.append([r["group"], r["layout"], r["devices"], _num(1e3 * r["step_s"], ".1f"), ratio,

@@ -73,7 +73,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
   loss = float(step_metrics["loss"])
   return {**record, "fits": True, "step_s": round(step_s, 5),
           "window_step_s": [round(s, 5) for s in window_s], "tokens_per_s": round(tokens_per_s, 1),
-          "mfu": None if mfu is None else round(mfu, 4),
+          "mfu": None if mfu is None else float(f"{mfu:.4g}"),
           "peak_mem_gib": round((device_peak or compiled_peak) / GIB, 3),
           "peak_mem_source": "device.memory_stats" if device_peak else "compiled.memory_analysis",
           "loss": loss if math.isfinite(loss) else None}
