@@ -51,13 +51,13 @@ def _num(value, fmt: str) -> str:
   return "" if value is None else format(value, fmt)
 
 
-def _ratio(ours: dict, other: dict | None) -> str:
+def _ratio(ours: dict, other: dict | None, *, peer: bool = True) -> str:
   if not other or not ours.get("tokens_per_s") or not other.get("tokens_per_s"):
     return ""
   # The peers leave position embeddings out of their count: a few percent apart is the same model.
   differs = [f"seq {other['seq']}" if other.get("seq") not in (None, ours.get("seq")) else "",
              f"{other['params'] / 1e6:.1f}M params" if other.get("params") and ours.get("params")
-             and abs(other["params"] / ours["params"] - 1) > 0.05 else ""]
+             and peer and abs(other["params"] / ours["params"] - 1) > 0.05 else ""]
   mark = "".join(f" ({d})" for d in differs if d)
   return f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x{mark}"
 
@@ -93,7 +93,7 @@ def _equal_batch(ours: list[dict], peers: list[dict]) -> str:
     first = next((f for f in ours if f["config"] == first_config and f["batch"] == r["batch"]
                   and f["preset"] == r["preset"]), None)
     rows.append([r["config"], r["batch"], r.get("seq", ""), r["preset"], *_result_cells(r),
-                 _ratio(r, first)] + [_ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"])) for n in names])
+                 _ratio(r, first, peer=False)] + [_ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"])) for n in names])
   return _table(header, rows)
 
 
