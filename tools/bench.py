@@ -82,21 +82,19 @@ def run_configs(bench: Bench, overrides: list[tuple[str, str]]) -> None:
     batches = [int(b) for b in _BATCH.value] or [config.batch_size]
     plans.append((spec, peers.peer_size(config.model), batches))
   timing = {"steps": _STEPS.value, "warmup": _WARMUP.value, "windows": _WINDOWS.value}
-  peer_batches = {}
   for preset in _PRESETS.value:
     for spec, size, batches in plans:
+      run = {"config": spec, "overrides": overrides, "seq": seq_len, "preset": preset, "peer_size": size, **timing}
       for first in batches:
-        run = lambda b: bench.ours({"config": spec, "overrides": overrides, "batch": b, "seq": seq_len,
-                                    "preset": preset, "peer_size": size, **timing}, child_env(preset))
-        for record in searched(run, batch_sizes(first, _BEST.value, _MAX_BATCH.value)):
-          if size and record.get("tokens_per_s"):
-            peer_batches.setdefault(size, set()).add(first)
+        searched(lambda b, run=run: bench.ours({**run, "batch": b}, child_env(run["preset"])),
+                 batch_sizes(first, _BEST.value, _MAX_BATCH.value))
   if not _PEERS.value:
     return
-  for size, firsts in peer_batches.items():
+  # Each peer once per GPT-2 size and first batch, however many configs or presets share them.
+  for size, first in sorted({(size, first) for _, size, batches in plans if size for first in batches}):
     for name in peers.SCRIPTS:
-      for first in sorted(firsts):
-        searched(lambda b: bench.peer(name, size, b), batch_sizes(first, _BEST.value, _MAX_BATCH.value))
+      searched(lambda b, name=name, size=size: bench.peer(name, size, b),
+               batch_sizes(first, _BEST.value, _MAX_BATCH.value))
 
 
 def run_layouts(bench: Bench, overrides: list[tuple[str, str]]) -> None:

@@ -19,7 +19,7 @@ def tables(records: list[dict]) -> str:
   peers = [r for r in records if r.get("kind") == "peer"]
   parts = [_setting(ours + layouts)] if ours or layouts else []
   if ours:
-    parts += ["### Equal batch", _equal_batch(ours, peers)]
+    parts += ["### Every run (ratios at equal batch and preset)", _equal_batch(ours, peers)]
     best = _best_batch(ours, peers)
     if best:
       parts += ["### Best batch that fits", best]
