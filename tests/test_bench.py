@@ -36,14 +36,15 @@ def cli_run(tmp_path_factory):
   result = subprocess.run(
       [sys.executable, "tools/bench.py", "--config=configs/gpt2.py:tiny",
        "--config=configs/gpt2.py:tiny,model.num_layers=1", "--config.mesh.data=4", "--config.mesh.tensor=2",
-       "--batch=8", "--seq_len=32", "--steps=2", "--warmup=1", "--windows=1", f"--peers={peers}", f"--out={out}"],
+       "--batch=8", "--seq_len=32", "--steps=2", "--warmup=1", "--windows=1", f"--peers={peers}", f"--out={out}",
+       "--config.profile_steps=1,2", f"--config.workdir={folder / 'work'}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr
-  return result.stdout, bench_report.read_records(out)
+  return result.stdout, bench_report.read_records(out), folder / "work"
 
 
 def test_json_lines_hold_sane_numbers(cli_run):
-  _, records = cli_run
+  _, records, _ = cli_run
   ours = [r for r in records if r["kind"] == "meshlm"]
   assert [r["config"] for r in ours] == ["configs/gpt2.py:tiny", "configs/gpt2.py:tiny,model.num_layers=1"]
   for r in ours:
@@ -56,7 +57,7 @@ def test_json_lines_hold_sane_numbers(cli_run):
 
 
 def test_peers_ratio_and_unavailable(cli_run):
-  stdout, records = cli_run
+  stdout, records, _ = cli_run
   peer = {r["peer"]: r for r in records if r["kind"] == "peer"}
   assert peer["plain-jax"]["tokens_per_s"] == 8 * 32 * 2 and peer["plain-jax"]["size"] == "tiny"
   assert "torch_is_not_installed_here" in peer["torch.compile"]["unavailable"]
@@ -67,8 +68,14 @@ def test_peers_ratio_and_unavailable(cli_run):
 
 
 def test_report_redraws_the_tables(cli_run):
-  stdout, records = cli_run
+  stdout, records, _ = cli_run
   assert stdout.rstrip().endswith(bench_report.tables(records))
+
+
+def test_profile_steps_trace_an_extra_window(cli_run):
+  *_, workdir = cli_run
+  traces = list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
+  assert traces, "no trace written"
 
 
 def test_best_batch_search_doubles_until_a_failure():
