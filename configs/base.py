@@ -26,6 +26,9 @@ def base() -> ml_collections.ConfigDict:
   # hf:<directory>: start from a Hugging Face GPT-2 or Llama checkpoint (config.json + safetensors),
   # whose config.json sets the model fields; empty: random initialisation.
   c.init_from = ""
+  # "FIRST,LAST": a jax.profiler trace of steps FIRST..LAST (1-based, inclusive, as logged) into
+  # <workdir>/profile, for TensorBoard's profile plugin or ui.perfetto.dev; empty: no trace
+  c.profile_steps = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved

@@ -11,6 +11,7 @@ from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
 from training.preemption import StopRequests
+from training.profiling import StepProfiler, parse_steps
 from training.sample import generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import make_eval_step, make_train_step
@@ -28,6 +29,7 @@ def train(config, dry_run: bool = False) -> dict:
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
   if config.nonfinite not in ("skip", "stop"):
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use skip or stop.")
+  parse_steps(config.profile_steps, config.steps)
   if dry_run:
     text = report(layout, config)
     _log(text)
@@ -88,12 +90,16 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
   batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                          batch_size=config.batch_size, seq_len=seq_len,
                          sharding=layout.batch_sharding, depth=config.data.prefetch)
-  with batches, writer, StopRequests() as stop, tqdm(
+  profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
+  with batches, writer, profiler, StopRequests() as stop, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
     for step, batch in batches:
-      state, pending = train_step(state, batch)  # metrics stay on device until a log step
-      bar.update(1)
       done = step + 1
+      profiler.before(done)
+      with profiler.annotate(done):
+        state, pending = train_step(state, batch)  # metrics stay on device until a log step
+      profiler.after(done, state)
+      bar.update(1)
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(pending)
         tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)
