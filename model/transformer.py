@@ -101,6 +101,10 @@ class LanguageModel(nnx.Module):
     x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg)
     return x_BTD, summarize(stats)
 
+  def predict(self, tokens_BT):
+    """Float32 next-token logits for every position of in-order tokens."""
+    return self.logits(self.run_blocks(self.embed_tokens(tokens_BT))[0])
+
   def head_loss(self, x_BTD, targets_BT):
     return cross_entropy(self.logits(x_BTD), targets_BT)
 

@@ -21,7 +21,7 @@ def test_measure_reports_every_field(record):
   config, r = record
   assert r["fits"] and r["batch"] == 8 and r["seq"] == config.model.max_len
   assert r["devices"] == 8 and r["mesh"] == {"data": 8}
-  assert r["params"] == param_count(plan(config))
+  assert r["params"] == r["active_params"] == param_count(plan(config))  # dense: every parameter is active
   assert r["compile_s"] > 0 and len(r["window_step_s"]) == 2 and all(s > 0 for s in r["window_step_s"])
   assert min(r["window_step_s"]) <= r["step_s"] <= max(r["window_step_s"])
   assert r["tokens_per_s"] == pytest.approx(8 * config.model.max_len / r["step_s"], rel=1e-3)
@@ -32,7 +32,7 @@ def test_measure_reports_every_field(record):
 
 def test_mfu_is_the_metrics_formula(record):
   config, r = record
-  flops = metrics.flops_per_token(plan(config).model, r["params"])
+  flops = metrics.flops_per_token(plan(config).model, r["active_params"])
   expected = r["tokens_per_s"] * flops / (0.5e12 * 8)
   assert r["mfu"] == pytest.approx(expected, rel=1e-2)
 

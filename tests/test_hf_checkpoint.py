@@ -100,7 +100,7 @@ def logits(layout, params, tokens):
   def forward(params, tokens):
     with placement(layout):
       model = nnx.merge(layout.graphdef, params)
-      return model.logits(model.run_blocks(model.embed_tokens(tokens)))
+      return model.predict(tokens)
 
   return np.asarray(forward(params, jax.device_put(tokens, layout.batch_sharding)))
 

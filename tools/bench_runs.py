@@ -39,6 +39,8 @@ CPU_LAYOUTS = [
     ("gpt2 tiny", "data=4 x pipeline=2 1f1b", GPT,
      {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.schedule": "1f1b"}, 8),
     ("gpt2 tiny", "data=4 x sequence=2 allgather", GPT, {"mesh.data": 4, "mesh.sequence": 2}, 8),
+    ("gpt2 moe_tiny", "single device", GPT, {"moe.experts": 8}, 1),
+    ("gpt2 moe_tiny", "data=2 x expert=4", GPT, {"moe.experts": 8, "mesh.data": 2, "mesh.expert": 4}, 8),
     ("llama tiny", "single device", LLAMA, {"model.kv_heads": 4}, 1),
     ("llama tiny", "data=2 x sequence=4 allgather", LLAMA,
      {"model.kv_heads": 4, "mesh.data": 2, "mesh.sequence": 4}, 8),

@@ -16,7 +16,7 @@ from parallel import analysis
 from training import data, metrics
 from training.dry_run import abstract_inputs
 from training.profiling import StepProfiler, parse_steps
-from training.state import init_state, param_count, plan
+from training.state import active_param_count, init_state, param_count, plan
 from training.step import make_train_step
 
 GIB = 2**30
@@ -38,7 +38,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
   compiled_peak = analysis.memory_summary(compiled)["peak_bytes"]
   params = param_count(layout)
   seq_len = layout.model.max_len
-  record = {"params": params, "batch": config.batch_size, "seq": seq_len,
+  record = {"params": params, "active_params": active_param_count(layout), "batch": config.batch_size, "seq": seq_len,
             "mesh": {axis: size for axis, size in layout.mesh.shape.items() if size > 1},
             "devices": layout.mesh.size, "device_kind": jax.devices()[0].device_kind,
             "compute": config.precision.compute, "attention": config.model.attention,
@@ -67,7 +67,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
 
   step_s = statistics.median(window_s)
   tokens_per_s = config.batch_size * seq_len / step_s
-  mfu = metrics.mfu(tokens_per_s, metrics.flops_per_token(layout.model, params),
+  mfu = metrics.mfu(tokens_per_s, metrics.flops_per_token(layout.model, record["active_params"]),
                     metrics.peak_flops_per_device(config.peak_tflops))
   device_peak = _device_peak_bytes()
   loss = float(step_metrics["loss"])

@@ -16,7 +16,7 @@ def generate(layout: Layout, params, prompt_ids, *, num_tokens: int, temperature
   @jax.jit
   def next_token(params, tokens_1T, position, key):
     model = nnx.merge(layout.graphdef, params)
-    logits_1TV = model.logits(model.run_blocks(model.embed_tokens(tokens_1T))[0])
+    logits_1TV = model.predict(tokens_1T)
     return jax.random.categorical(key, logits_1TV[0, position] / temperature)
 
   ids = list(prompt_ids)[-window:] or [0]
