@@ -3,6 +3,7 @@
   python train.py                                   # tiny GPT-2 on the built-in corpus
   python train.py --config=configs/gpt2.py:124m --config.mesh.tensor=2 --config.workdir=runs/a
   python train.py --config.mesh.data=4 --config.mesh.tensor=2 --dry_run
+  python train.py --config=configs/gpt2.py:1558m --dry_run --simulate_devices=64 --config.mesh.pipeline=4
 """
 
 import os
@@ -30,11 +31,29 @@ def _define_config_flag():
 
 _CONFIG = _define_config_flag()
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the step and report memory and collectives; no training.")
+_SIMULATE_DEVICES = flags.DEFINE_integer(
+    "simulate_devices", 0, "Run on this many simulated CPU devices (0: the real ones); with --dry_run, "
+    "plans a cluster of that size from one machine.", lower_bound=0)
+
+
+def _simulate(devices: int, dry_run: bool) -> None:
+  """Make jax see `devices` CPU devices; only works before jax is first imported."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  extra = [f"--xla_force_host_platform_device_count={devices}"]
+  if dry_run:
+    # XLA's CPU-only pass that widens bf16 all-reduces to float32 aborts on the
+    # pipeline's bf16 psums; a program that is only compiled, never run, can skip it.
+    extra.append("--xla_disable_hlo_passes=all-reduce-promotion")
+  os.environ["XLA_FLAGS"] = " ".join(
+      [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+      + extra)
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep jax's backend chatter off the console
+  if _SIMULATE_DEVICES.value:
+    _simulate(_SIMULATE_DEVICES.value, _DRY_RUN.value)
   from training.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
   config_file = flags.FLAGS["config"].config_filename.split(":")[0]
   if not os.path.isfile(config_file):

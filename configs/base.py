@@ -23,6 +23,12 @@ def base() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
   c.resume = "auto"  # auto: from the workdir's latest checkpoint | never | a step number
   c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
+  # hf:<directory>: start from a Hugging Face GPT-2 or Llama checkpoint (config.json + safetensors),
+  # whose config.json sets the model fields; empty: random initialisation.
+  c.init_from = ""
+  # "FIRST,LAST": a jax.profiler trace of steps FIRST..LAST (1-based, inclusive, as logged) into
+  # <workdir>/profile, for TensorBoard's profile plugin or ui.perfetto.dev; empty: no trace
+  c.profile_steps = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved
@@ -46,13 +52,28 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention = "xla"  # the attention kernel: xla | cudnn (GPU only)
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
+  c.model.norm_eps = 0.0  # LayerNorm / RMSNorm epsilon; 0: the family's own (gpt2 1e-5, llama 1e-6)
+
+  c.moe = ml_collections.ConfigDict()
+  c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense
+  c.moe.every = 1  # every k-th layer's feed-forward is a mixture of experts (1: all, 2: alternate)
+  c.moe.top_k = 2  # experts per token; their router weights are renormalised to sum to one
+  c.moe.capacity_factor = 1.25  # slots per expert = factor x k x tokens / E per sequence; overflow is dropped
+  c.moe.dropless = False  # True: capacity for every token (no drops; memory grows as length^2)
+  c.moe.balance_weight = 0.01  # alpha in alpha * E * sum_i f_i P_i (Switch Transformer)
+  c.moe.z_weight = 0.001  # router z-loss: mean squared log-sum-exp of the router logits (ST-MoE)
 
   c.attention = ml_collections.ConfigDict()
   c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses
 
   c.precision = ml_collections.ConfigDict()
-  c.precision.compute = "bfloat16"  # matmul dtype; params, norms, softmax, loss stay fp32
-  c.precision.params = "float32"  # master weights and optimizer state
+  # Matmul and activation dtype: float32 | bfloat16 | float16 (with dynamic loss scaling) | float8
+  # (weight matmuls in fp8, E4M3 forward and E5M2 gradients, between bfloat16 activations).
+  # Master weights, norms, softmax and the loss stay float32 whatever this says.
+  c.precision.compute = "bfloat16"
+  c.precision.moments = "float32"  # Adam's m and v as stored: float32 | bfloat16 (their arithmetic stays float32)
+  c.precision.loss_scale = 2.0**15  # float16: the starting loss scale
+  c.precision.loss_scale_growth = 1000  # float16: finite steps in a row before the scale doubles
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: the devices the other axes leave over

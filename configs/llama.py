@@ -3,7 +3,8 @@
 RMSNorm, rotary positions, SwiGLU, grouped-query attention (kv_heads < heads),
 no biases, untied embeddings. `tiny` trains on the built-in byte corpus on a
 CPU; `long` is tiny with a 4,096-token context, for sequence parallelism;
-`1b` is a Llama-3.2-1B-shaped model for accelerators.
+`1b` is a Llama-3.2-1B-shaped model for accelerators. `moe_<variant>` makes
+every other layer's SwiGLU a mixture of 8 experts with top-2 routing.
 """
 
 from configs.base import base
@@ -17,8 +18,14 @@ SIZES = {
 
 
 def get_config(variant: str = "tiny"):
+  if variant.startswith("moe_"):
+    c = get_config(variant[len("moe_"):])
+    # Mixtral's shape: 8 SwiGLU experts, 2 per token; here every other layer, as in Switch Transformer.
+    c.moe.experts, c.moe.top_k, c.moe.every = 8, 2, 2
+    return c
   if variant not in SIZES:
-    raise ValueError(f"unknown Llama variant {variant!r}; choose one of {', '.join(SIZES)}.")
+    raise ValueError(f"unknown Llama variant {variant!r}; choose one of {', '.join(SIZES)}, "
+                     "each also as moe_<size>.")
   c = base()
   layers, heads, kv_heads, width, mlp, context = SIZES[variant]
   c.model.family = "llama"

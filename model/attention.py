@@ -3,10 +3,14 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
 from model.sharding_hooks import attention_strategy, constrain
+
+
+ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, kernel: str) -> jax.Array:
@@ -17,8 +21,10 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, kernel: str) -> jax.Array:
   """
   strategy = attention_strategy()
   if strategy is None:
-    return local_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, kernel=kernel)
-  return strategy(q_BTNH, k_BSKH, v_BSKH, positions_T)
+    out_BTNH = local_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, kernel=kernel)
+  else:
+    out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T)
+  return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 
 def local_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, *, kernel: str) -> jax.Array:
@@ -66,10 +72,10 @@ class SelfAttention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
     dtype = self.cfg.dtype
-    qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype)
+    qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype, self.cfg.fp8)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
     out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg.attention)
-    out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype)
+    out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

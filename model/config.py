@@ -4,7 +4,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")  # model/transformer.py
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
+NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,11 +19,32 @@ class ModelConfig:
   mlp_dim: int
   max_len: int
   vocab_size: int
-  remat: str = "none"  # none | full | save_dots
+  remat: str = "none"  # none | full | save_dots | save_attention | offload
   attention: str = "xla"  # xla | cudnn
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
+  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (NORM_EPS)
+  num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
+  moe_every: int = 1
+  moe_top_k: int = 2
+  moe_capacity_factor: float = 1.25
+  moe_dropless: bool = False
+  moe_balance_weight: float = 0.01
+  moe_z_weight: float = 0.001
+
+  @property
+  def layers_per_unit(self) -> int:
+    """Layers in each scanned unit: one dense block, or moe_every blocks whose last is MoE."""
+    return self.moe_every if self.num_experts else 1
+
+  @property
+  def num_units(self) -> int:
+    return self.num_layers // self.layers_per_unit
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_units if self.num_experts else 0
 
   @property
   def head_dim(self) -> int:
@@ -31,12 +55,28 @@ class ModelConfig:
     return self.kv_heads or self.num_heads
 
   @property
+  def epsilon(self) -> float:
+    return self.norm_eps or NORM_EPS[self.family]
+
+  @property
   def padded_vocab(self) -> int:
     return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
   @property
+  def idle_expert_params(self) -> int:
+    """Parameters of the E - k experts a token skips: they cost memory but no FLOPs (MFU leaves them out)."""
+    d, f = self.embed_dim, self.mlp_dim
+    per_expert = 3 * d * f if self.family == "llama" else 2 * d * f + f + d
+    return (self.num_experts - self.moe_top_k) * per_expert * self.moe_layers
+
+  @property
   def dtype(self):
-    return jnp.dtype(self.compute_dtype)
+    """The activations' dtype; float8 runs its weight matmuls in fp8 between bfloat16 activations."""
+    return jnp.dtype("bfloat16" if self.fp8 else self.compute_dtype)
+
+  @property
+  def fp8(self) -> bool:
+    return self.compute_dtype == "float8"
 
   def __post_init__(self):
     if self.embed_dim % self.num_heads:
@@ -47,10 +87,25 @@ class ModelConfig:
       raise ValueError(
           f"model.num_heads={self.num_heads} is not a multiple of model.kv_heads={self.num_kv_heads}; "
           "grouped-query attention shares each key/value head among an equal number of query heads.")
-    if self.remat not in ("none", "full", "save_dots"):
-      raise ValueError(f"model.remat={self.remat!r} is unknown; use none, full or save_dots.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}.")
     if self.attention not in ("xla", "cudnn"):
       raise ValueError(f"model.attention={self.attention!r} is unknown; use xla or cudnn.")
-    if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+    if self.num_experts:
+      self._check_moe()
+    if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
-          f"precision.compute={self.compute_dtype!r} is unknown; use float32, bfloat16 or float16.")
+          f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
+
+  def _check_moe(self):
+    if self.num_experts < 0:
+      raise ValueError(f"moe.experts={self.num_experts} is negative; use 0 for a dense model or E > 0 experts.")
+    if not 1 <= self.moe_top_k <= self.num_experts:
+      raise ValueError(f"moe.top_k={self.moe_top_k} must be between 1 and moe.experts={self.num_experts}; "
+                       "each token picks k distinct experts.")
+    if not self.moe_dropless and self.moe_capacity_factor <= 0:
+      raise ValueError(f"moe.capacity_factor={self.moe_capacity_factor} must be positive (1.0 is each "
+                       "expert's fair share, 1.25 is usual); set moe.dropless=True to drop nothing.")
+    if self.moe_every < 1 or self.num_layers % self.moe_every:
+      raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
+                       "every k-th layer is MoE, so choose a k that divides the layer count.")

@@ -7,6 +7,7 @@ from model.attention import SelfAttention
 from model.config import ModelConfig
 from model.layers import INIT_STD, LayerNorm, matmul, param
 from model.mlp import Mlp
+from model.moe import MoE, feed_forward
 from model.sharding_hooks import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
 
@@ -14,16 +15,17 @@ from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stac
 class Block(nnx.Module):
   """Pre-LayerNorm transformer block."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.ln_attn = LayerNorm(cfg.embed_dim)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+    self.ln_attn = LayerNorm(cfg.embed_dim, cfg.epsilon)
     self.attn = SelfAttention(cfg, rngs)
-    self.ln_mlp = LayerNorm(cfg.embed_dim)
-    self.mlp = Mlp(cfg, rngs)
+    self.ln_mlp = LayerNorm(cfg.embed_dim, cfg.epsilon)
+    self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
     x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T)
     x_BTD = constrain(x_BTD, ACTIVATION_AXES)
-    return x_BTD + self.mlp(self.ln_mlp(x_BTD))
+    y_BTD, stats = feed_forward(self.mlp, self.ln_mlp(x_BTD), positions_T)
+    return x_BTD + y_BTD, stats
 
 
 class Embed(nnx.Module):
@@ -41,7 +43,7 @@ class GPT2(LanguageModel):
     self.cfg = cfg
     self.embed = Embed(cfg, rngs)
     self.blocks = stacked(Block, cfg, rngs)
-    self.ln_final = LayerNorm(cfg.embed_dim)
+    self.ln_final = LayerNorm(cfg.embed_dim, cfg.epsilon)
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     positions_T = jax.numpy.arange(tokens_BT.shape[1]) if positions_T is None else positions_T

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.fp8 import einsum as fp8_einsum
+
 INIT_STD = 0.02  # GPT-2's normal init
 
 
@@ -35,7 +37,9 @@ class LayerNorm(nnx.Module):
     return (y * self.scale[...] + self.bias[...]).astype(x_BTD.dtype)
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-  """einsum in the compute dtype, accumulating in float32."""
+def matmul(spec: str, x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> jax.Array:
+  """einsum in the compute dtype accumulating in float32; with `fp8`, on fp8 operands (model/fp8.py)."""
+  if fp8:
+    return fp8_einsum(spec, x.astype(dtype), w.astype(dtype))
   out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
   return out.astype(dtype)

@@ -7,6 +7,7 @@ from flax import nnx
 from model.attention import attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param
+from model.moe import MoE, feed_forward
 from model.sharding_hooks import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
 
@@ -49,14 +50,14 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_T):
     cfg, dtype = self.cfg, self.cfg.dtype
-    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype), positions_T, cfg.rope_theta)
-    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype), positions_T, cfg.rope_theta)
-    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype)
+    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
+    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
+    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8)
     q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg.attention)
-    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype)
+    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, cfg.fp8)
 
 
 class SwiGLU(nnx.Module):
@@ -70,25 +71,26 @@ class SwiGLU(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BTD):
-    dtype = self.cfg.dtype
-    gate_BTF = jax.nn.silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype))
-    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype),
+    cfg, dtype = self.cfg, self.cfg.dtype
+    gate_BTF = jax.nn.silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8))
+    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
                       ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype)
+    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)
 
 
 class Block(nnx.Module):
   """Pre-RMSNorm block."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.norm_attn = RMSNorm(cfg.embed_dim)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+    self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.attn = Attention(cfg, rngs)
-    self.norm_mlp = RMSNorm(cfg.embed_dim)
-    self.mlp = SwiGLU(cfg, rngs)
+    self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
+    self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
 
   def __call__(self, x_BTD, positions_T):
     x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T), ACTIVATION_AXES)
-    return x_BTD + self.mlp(self.norm_mlp(x_BTD))
+    y_BTD, stats = feed_forward(self.mlp, self.norm_mlp(x_BTD), positions_T)
+    return x_BTD + y_BTD, stats
 
 
 class Llama(LanguageModel):
@@ -98,7 +100,7 @@ class Llama(LanguageModel):
     self.cfg = cfg
     self.embed = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
     self.blocks = stacked(Block, cfg, rngs)
-    self.norm_final = RMSNorm(cfg.embed_dim)
+    self.norm_final = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"))
 
   def embed_tokens(self, tokens_BT, positions_T=None):

@@ -21,6 +21,6 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dtype = self.cfg.dtype
-    h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype) + self.up_bias[...].astype(dtype)
+    h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, self.cfg.fp8) + self.up_bias[...].astype(dtype)
     h_BTF = constrain(jax.nn.gelu(h_BTF, approximate=True), ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype) + self.down_bias[...].astype(dtype)
+    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, self.cfg.fp8) + self.down_bias[...].astype(dtype)

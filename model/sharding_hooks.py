@@ -4,8 +4,10 @@ The model never sees a mesh. It calls `constrain(x, ("batch", "length", "embed")
 and whoever traces it (parallel/rules.py) may install a resolver that turns the
 logical names into a sharding constraint; it calls `attention(...)` and
 parallel/context.py may install a strategy that runs attention over a sharded
-`length` (ring, Ulysses). With nothing installed both are plain local math, so
-the model runs unchanged on one device.
+`length` (ring, Ulysses); a mixture-of-experts layer hands its expert
+computation to an expert strategy (parallel/experts.py: all-to-all over
+`expert`). With nothing installed all three are plain local math, so the
+model runs unchanged on one device.
 """
 
 import contextlib
@@ -40,6 +42,19 @@ def attention_strategy() -> Strategy | None:
 def context_strategy(strategy: Strategy):
   """While tracing under this, attention calls `strategy(q, k, v, positions)` instead of local math."""
   return _installed(_strategy, strategy)
+
+
+ExpertStrategy = Callable[..., jax.Array]
+_experts: contextvars.ContextVar[ExpertStrategy | None] = contextvars.ContextVar("experts", default=None)
+
+
+def expert_strategy() -> ExpertStrategy | None:
+  return _experts.get()
+
+
+def expert_parallelism(strategy: ExpertStrategy):
+  """While tracing under this, MoE layers call `strategy(experts_fn, x_EBCD, weights)`."""
+  return _installed(_experts, strategy)
 
 
 @contextlib.contextmanager

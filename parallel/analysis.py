@@ -41,6 +41,7 @@ _MESH_GROUPS = re.compile(
     rf"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(({_IOTA}|[\d,\s]*)\))?"
     r"\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
 
 
@@ -53,7 +54,9 @@ class Collective:
   the devices one chain of source-target pairs connects). `loop_depth` counts
   the while loops around the computation it sits in, and `loop_body` names the
   innermost one's body (None outside loops); a collective in a scanned body is
-  listed once, not once per trip.
+  listed once, not once per trip. `trips` is how often it runs per call: the
+  product of the known trip counts of the loops around it (a loop whose count
+  XLA does not know counts once).
   """
   kind: str
   name: str
@@ -63,6 +66,7 @@ class Collective:
   result_bytes: int
   axes: tuple[str, ...]
   group_size: int
+  trips: int = 1
 
   @property
   def in_loop(self) -> bool:
@@ -79,7 +83,7 @@ def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
   is_text = isinstance(compiled_or_hlo_text, str)
   text = compiled_or_hlo_text if is_text else compiled_or_hlo_text.as_text()
   coords = _position_coords(mesh, None if is_text else compiled_or_hlo_text)
-  depth, loop_body, where = _loop_nesting(text)
+  depth, loop_body, trips, where = _loop_nesting(text)
   found = []
   for line_number, line in enumerate(text.splitlines()):
     match = _INSTRUCTION.match(line)
@@ -95,7 +99,7 @@ def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
         loop_body=loop_body.get(computation),
         result_bytes=_result_bytes(result_type, kind, bool(start)),
         axes=tuple(a for a in mesh.axis_names if a in axes),
-        group_size=_group_size(groups, kind)))
+        group_size=_group_size(groups, kind), trips=trips.get(computation, 1)))
   return found
 
 
@@ -220,7 +224,7 @@ def _array_bytes(dtype: str, dims: list[int]) -> int:
 
 
 def _loop_nesting(text: str):
-  """Per computation: while loops around it and the innermost body's name.
+  """Per computation: while loops around it, the innermost body's name, and the trips it runs.
 
   Also returns, per line number, the computation that line sits in.
   """
@@ -236,22 +240,24 @@ def _loop_nesting(text: str):
       where[line_number] = current
       # A while names its loop by the body, for the condition too.
       body = re.search(r"\bbody=%?([\w.\-]+)", line)
+      count = _TRIP_COUNT.search(line)
       for attribute, listed, single in _CALLEE.findall(line):
         for callee in re.split(r",\s*", listed) if listed else [single]:
           is_loop = attribute in ("body", "condition")
-          callees[current].append(
-              (callee.lstrip("%"), is_loop, body.group(1) if is_loop else None))
-  depth, loop_body = {entry: 0}, {}
+          callees[current].append((callee.lstrip("%"), is_loop, body.group(1) if is_loop else None,
+                                   int(count.group(1)) if is_loop and count else 1))
+  depth, loop_body, trips = {entry: 0}, {}, {entry: 1}
   pending = [entry]
   while pending:  # A worklist: a computation may have several callers.
     caller = pending.pop()
-    for callee, is_loop, body in callees.get(caller, ()):
+    for callee, is_loop, body, count in callees.get(caller, ()):
       new_depth = depth[caller] + is_loop
       if new_depth > depth.get(callee, -1):
         depth[callee] = new_depth
         loop_body[callee] = body if is_loop else loop_body.get(caller)
+        trips[callee] = trips[caller] * count
         pending.append(callee)
-  return depth, loop_body, where
+  return depth, loop_body, trips, where
 
 
 def count_by(found, kind=None, axes=None, in_loop=None) -> int:
@@ -290,6 +296,14 @@ def collective_bytes(found, ring: bool = False) -> dict[str, int]:
   totals = collections.Counter()
   for c in found:
     totals[c.kind] += ring_traffic_bytes(c) if ring else c.result_bytes
+  return dict(totals)
+
+
+def traffic_per_step(found) -> dict[tuple[str, str], int]:
+  """Ring bytes one device sends per call, by (kind, axes joined by "+"), each loop body times its trips."""
+  totals = collections.Counter()
+  for c in found:
+    totals[(c.kind, "+".join(c.axes) or "-")] += ring_traffic_bytes(c) * c.trips
   return dict(totals)
 
 

@@ -1,4 +1,5 @@
-"""Refuse, in one sentence and before anything compiles, a model or batch that does not divide over the mesh."""
+"""Refuse, in one sentence and before anything compiles, a model or batch that does not divide over the
+mesh, or that asks the devices for something they lack."""
 
 from model.config import ModelConfig
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
@@ -22,6 +23,12 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
+  if model.num_experts:
+    _divides("moe.experts", model.num_experts, "mesh.expert", shape[EXPERT])
+    if shape[PIPELINE] > 1:
+      raise ValueError(
+          f"moe.experts={model.num_experts} with mesh.pipeline={shape[PIPELINE]}: the pipeline schedules "
+          "do not carry the router's auxiliary losses yet; shard a MoE model over data, expert and tensor.")
   if zero == 3:
     _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
   if grad_accum < 1 or batch_size % grad_accum:
@@ -58,6 +65,10 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
         f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "
         f"micro-batches that split over data x expert = {data_parallel}; use a batch that is a "
         f"multiple of {max(micro, 1) * data_parallel}.")
+  if schedule == "1f1b" and model.compute_dtype == "float16":
+    raise ValueError(
+        "pipeline.schedule=1f1b differentiates stage by stage and does not scale the loss, which "
+        "precision.compute=float16 needs; use gpipe or interleaved, or bfloat16.")
   if schedule == "1f1b" and micro < stages:
     raise ValueError(
         f"pipeline.schedule=1f1b needs at least as many micro-batches as stages, got "
@@ -78,3 +89,17 @@ def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -
              shards * tensor)
     _divides("the key/value heads", model.num_kv_heads,
              "mesh.sequence x mesh.tensor (Ulysses splits heads)", shards * tensor)
+
+
+def check_backend(model: ModelConfig, device) -> None:
+  """fp8 wants fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) on a GPU; CPUs
+  and TPUs run it through XLA's conversions. Offloading remat wants host memory the device can reach."""
+  if model.fp8 and device.platform == "gpu":
+    capability = getattr(device, "compute_capability", "0.0")
+    if tuple(int(part) for part in capability.split(".")) < (8, 9):
+      raise ValueError(
+          f"precision.compute=float8 needs fp8 tensor cores (compute capability 8.9 or newer), but "
+          f"{device.device_kind} has {capability}; use bfloat16.")
+  if model.remat == "offload" and "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+    raise ValueError(f"model.remat=offload needs pinned host memory, which {device.device_kind} does not "
+                     "expose; use save_attention or full.")

@@ -1,7 +1,9 @@
 """Context parallelism: attention over a `length` sharded on `sequence`, three ways.
 
-Each strategy is a `shard_map` manual over `sequence` only, so `data` and
-`tensor` keep working inside it under GSPMD. Queries, keys and values arrive
+Each strategy is a `shard_map` manual over `sequence` and over the batch's
+axes (`expert`, `data`), whose rows stay local: left to GSPMD inside the map,
+the batch would be gathered over `data` for the collectives over `sequence`.
+`tensor` keeps working inside under GSPMD, splitting heads. Queries, keys and values arrive
 with rotary positions already applied, and the causal mask comes from token
 positions, so the strategies are exact whatever order the sequence is in.
 
@@ -20,10 +22,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.attention import attention_block
-from parallel.mesh import SEQUENCE
+from parallel.mesh import DATA, EXPERT, SEQUENCE
 
 STRATEGIES = ("allgather", "ring", "ulysses")
-_ACTIVATION = P(None, SEQUENCE)
+_ACTIVATION = P((EXPERT, DATA), SEQUENCE)  # (batch, length, ...) as parallel/rules.py lays activations out
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -38,7 +40,7 @@ def strategy(name: str, mesh):
 
   def attend(q_BTNH, k_BTKH, v_BTKH, positions_T):
     return jax.shard_map(body, mesh=mesh, in_specs=(_ACTIVATION, _ACTIVATION, _ACTIVATION, P(SEQUENCE)),
-                         out_specs=_ACTIVATION, axis_names={SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
+                         out_specs=_ACTIVATION, axis_names={EXPERT, DATA, SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
 
   return attend
 

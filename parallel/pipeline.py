@@ -44,7 +44,7 @@ def _stage_major(blocks, stages: int, virtual: int):
 
 
 def _run_stage(layout, params, blocks, x_bTD):
-  return nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD)
+  return nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD)[0]
 
 
 def _specs(params):

@@ -13,7 +13,9 @@ from model.sharding_hooks import activation_resolver
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
 ACTIVATION_RULES = (
-    ("batch", (DATA, EXPERT)),  # outside MoE layers expert devices act as data parallel
+    # Outside MoE layers expert devices act as data parallel. `expert` major: the expert
+    # all-to-all (parallel/experts.py) then splits the batch as it already lies.
+    ("batch", (EXPERT, DATA)),
     ("length", SEQUENCE),
     ("heads", TENSOR),
     ("kv_heads", TENSOR),

@@ -134,6 +134,11 @@ def test_psum_in_scan_body_counts_once_per_body(mesh):
   assert inner.loop_body == inner.computation != outer.loop_body
   assert analysis.count_by(found, kind="all-reduce", in_loop=True) == 2
   assert analysis.count_by(found, in_loop=False) == 0
+  # Per step, each runs as often as the loops around it: 5 and 5 x 3 times.
+  assert (outer.trips, inner.trips) == (5, 15)
+  assert analysis.traffic_per_step(found) == {
+      ("all-reduce", "tensor"): 5 * analysis.ring_traffic_bytes(outer),
+      ("all-reduce", "data"): 15 * analysis.ring_traffic_bytes(inner)}
 
 
 def test_permuted_device_order_maps_through_positions():

@@ -43,7 +43,8 @@ def gradients(layout, params, batch):
 
   def run(params, batch):
     with placement(layout):
-      return loss_and_grads(layout, params, batch, 1)
+      (loss, _), grads = loss_and_grads(layout, params, batch, 1)
+      return loss, grads
 
   return jax.device_get(jax.jit(run)(params, batch))
 

@@ -18,7 +18,7 @@ def test_megatron_layout_falls_out_of_the_rules():
 
 def test_fsdp_shards_embed_over_data_and_activations_keep_batch_there():
   assert rules.spec(("layers", "embed", "mlp"), rules.weight_rules(zero=3)) == P("pipeline", "data", "tensor")
-  assert rules.spec(("batch", "length", "embed"), rules.ACTIVATION_RULES) == P(("data", "expert"), "sequence", None)
+  assert rules.spec(("batch", "length", "embed"), rules.ACTIVATION_RULES) == P(("expert", "data"), "sequence", None)
 
 
 def test_zero1_puts_only_the_optimizer_state_over_data():

@@ -34,11 +34,13 @@ def test_train_end_to_end(tmp_path):
 
 
 def test_dry_run_reports_memory_and_collectives(tmp_path):
-  result = run_train("--dry_run", "--config.mesh.data=4", "--config.mesh.tensor=2",
+  # --simulate_devices overrides the 8 devices the environment asks for.
+  result = run_train("--dry_run", "--simulate_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2",
                      f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr
-  assert "parameters: " in result.stdout and "temp_bytes" in result.stdout
-  assert "all-reduce" in result.stdout and "tensor" in result.stdout
+  assert "parameters: " in result.stdout and "(4 devices)" in result.stdout
+  assert "memory: temporaries (grads + activations)" in result.stdout
+  assert "all-reduce over tensor" in result.stdout and "estimate MiB" in result.stdout
   assert not (tmp_path / "metrics.jsonl").exists()
 
 

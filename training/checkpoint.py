@@ -46,18 +46,30 @@ class Checkpoints:
 
   def restore(self, step: int, abstract_state):
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
-    where = f"checkpoint step {step} in {self.directory}"
+    stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
+    _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
+    return self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))["state"])
+
+  def stored_config(self, step: int) -> dict:
+    """The run config saved with `step`, as a plain dict."""
+    return self._read(step, lambda: self._manager.restore(
+        step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+
+  def restore_params(self, step: int, abstract_params):
+    """Only the params of `step` (no optimizer state), laid out by the shardings in `abstract_params`."""
+    item = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
+    return self._read(step, lambda: ocp.PyTreeCheckpointer().restore(
+        self.directory / str(step) / "state", args=args)["params"])
+
+  def _read(self, step: int, read):
     try:
-      stored = self._manager.item_metadata(step)["state"]
+      return read()
     except Exception as error:  # orbax raises many kinds; all mean the same to the user
-      raise ValueError(f"{where} cannot be read ({_first_line(error)}); it was left untouched.") from None
-    _check_same_shapes(stored, abstract_state, where)
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
-    except Exception as error:
-      raise ValueError(f"{where} cannot be read ({_first_line(error)}); it was left untouched.") from None
-    return restored["state"]
+      raise ValueError(f"checkpoint step {step} in {self.directory} cannot be read "
+                       f"({_first_line(error)}); it was left untouched.") from None
 
   def saved_config(self, step: int) -> dict:
     """The config a checkpoint was written with, as a plain dict."""

@@ -1,10 +1,14 @@
 """`train.py --dry_run`: compile the step ahead of time and say what it will cost, allocating nothing."""
 
 import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from parallel import analysis
-from training.state import Layout, param_count
+from parallel import analysis, estimate
+from training.state import Layout, build_model, model_config, param_count
 from training.step import make_train_step
+
+MiB = 2**20
 
 
 def abstract_inputs(layout: Layout, config):
@@ -20,14 +24,54 @@ def compile_train_step(layout: Layout, config):
   return make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
 
 
+def model_weights(config) -> list[estimate.Weight]:
+  """Every weight's shape and logical axes, from the model's abstract (no arrays, no mesh)."""
+  with nnx.use_eager_sharding(False):
+    params = nnx.state(nnx.eval_shape(lambda: build_model(model_config(config), config.seed)), nnx.Param)
+  is_spec = lambda x: isinstance(x, P)
+  specs = jax.tree.leaves(nnx.to_pure_dict(nnx.get_partition_spec(params)), is_leaf=is_spec)
+  return [estimate.Weight(tuple(x.shape), tuple(s))
+          for x, s in zip(jax.tree.leaves(nnx.to_pure_dict(params)), specs, strict=True)]
+
+
+def comparison(config, mesh: dict, compiled, found) -> list[tuple[str, int, int | None]]:
+  """(what, estimated bytes, compiled bytes or None) rows: memory per device, then collective bytes per step.
+
+  `found` are the compiled program's collectives (analysis.collectives).
+  """
+  weights = model_weights(config)
+  mem, measured = estimate.memory(config, mesh, weights), analysis.memory_summary(compiled)
+  arguments = mem["params"] + mem["opt_state"] + mem["batch"]
+  temporaries = mem["grads"] + mem["activations"]
+  rows = [(f"memory: {key}", value, None) for key, value in mem.items()]
+  rows += [("memory: arguments (params + opt_state + batch)", arguments, measured["argument_bytes"]),
+           ("memory: temporaries (grads + activations)", temporaries, measured["temp_bytes"]),
+           ("memory: peak (arguments + temporaries)", arguments + temporaries, measured["peak_bytes"])]
+  predicted = estimate.collectives(config, mesh, weights)
+  sent = analysis.traffic_per_step(found)
+  for kind, axes in sorted(set(predicted) | set(sent)):
+    rows.append((f"{kind} over {axes}", predicted.get((kind, axes), 0), sent.get((kind, axes), 0)))
+  rows.append(("collectives: total", sum(predicted.values()), sum(sent.values())))
+  return rows
+
+
+def format_comparison(rows) -> str:
+  lines = [f"{'per device':<50}{'estimate MiB':>14}{'compiled MiB':>14}{'ratio':>8}"]
+  for what, guess, actual in rows:
+    compiled = "" if actual is None else f"{actual / MiB:14.2f}"
+    ratio = f"{actual / guess:8.2f}" if actual and guess else ""
+    lines.append(f"{what:<50}{guess / MiB:14.2f}{compiled:>14}{ratio}")
+  return "\n".join(lines)
+
+
 def report(layout: Layout, config) -> str:
-  """Parameter count, per-device memory from the compiled program, and its collectives."""
+  """Parameter count, estimated beside compiled per-device memory and collective bytes, and each collective."""
   compiled = compile_train_step(layout, config)
-  memory = analysis.memory_summary(compiled)
+  found = analysis.collectives(compiled, layout.mesh)
   mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.shape.items())
   lines = [f"parameters: {param_count(layout):,}", f"mesh: {mesh} ({layout.mesh.size} devices)",
-           "per-device memory (compiled.memory_analysis()):"]
-  lines += [f"  {key:22s} {value / 2**20:12.2f} MiB" for key, value in memory.items()]
-  lines += ["collectives in the compiled train step:", analysis.summary_table(
-      analysis.collectives(compiled, layout.mesh))]
+           "memory (compiled: memory_analysis()) and collective bytes sent per step (compiled: "
+           "ring traffic of the HLO's collectives, loop bodies times their trips):",
+           format_comparison(comparison(config, dict(layout.mesh.shape), compiled, found)),
+           "collectives in the compiled train step:", analysis.summary_table(found)]
   return "\n".join(lines)

@@ -7,12 +7,13 @@ import numpy as np
 from tqdm import tqdm
 
 from parallel import analysis, distributed
-from training import data, metrics
+from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
 from training.preemption import StopRequests
+from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
-from training.state import init_state, param_count, plan
+from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
 
@@ -22,6 +23,9 @@ SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 def train(config, dry_run: bool = False) -> dict:
   """Train per `config`; returns the last logged metrics (and the final eval loss, if any)."""
   distributed.initialize(config.distributed)
+  pretrained = hf_checkpoint.open_init_from(config.init_from)
+  if pretrained is not None:
+    pretrained.configure(config)  # the checkpoint decides the model's shape
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
@@ -31,6 +35,7 @@ def train(config, dry_run: bool = False) -> dict:
     prompt = encode_prompt(load_tokenizer(train_split.tokenizer), config.sample_prompt)
     check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
                   top_k=0, vocab_size=layout.model.vocab_size)
+  parse_steps(config.profile_steps, config.steps)
   if dry_run:
     text = report(layout, config)
     _log(text)
@@ -38,7 +43,10 @@ def train(config, dry_run: bool = False) -> dict:
 
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
   start = _resume_step(checkpoints, config.resume)
-  if start is None:
+  if start is None and pretrained is not None:
+    _log(f"initialising from {pretrained.describe(layout.model)}")
+    state = state_from_params(layout, pretrained.load_params(layout))
+  elif start is None:
     state = init_state(layout, config.seed)
   else:
     state = checkpoints.restore(start, abstract_inputs(layout, config)[0])
@@ -72,11 +80,12 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
   # the program's own memory figure can be logged beside the losses.
   train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
   eval_step = make_eval_step(layout)
-  flops_token = metrics.flops_per_token(layout.model, param_count(layout))
+  flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
   peak_bytes = analysis.memory_summary(train_step)["peak_bytes"]
   writer = metrics.MetricsWriter(config.workdir, after_step=start)
-  _log(f"training {param_count(layout):,} parameters on {layout.mesh.size} devices, "
+  active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
+  _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
   def evaluate(params) -> float:
@@ -91,19 +100,23 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
   batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                          batch_size=config.batch_size, seq_len=seq_len,
                          sharding=layout.batch_sharding, depth=config.data.prefetch)
-  with batches, writer, StopRequests() as stop, tqdm(
+  profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
+  with batches, writer, profiler, StopRequests() as stop, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
     for step, batch in batches:
-      state, pending = train_step(state, batch)  # metrics stay on device until a log step
-      bar.update(1)
       done = step + 1
+      profiler.before(done)
+      with profiler.annotate(done):
+        state, pending = train_step(state, batch)  # metrics stay on device until a log step
+      profiler.after(done, state)
+      bar.update(1)
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(pending)
         tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
-                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes}
+                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes, **_router_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
@@ -135,11 +148,24 @@ def _sample(layout, params, config, tokenizer_name: str) -> str:
   return repr(config.sample_prompt + tokenizer.decode(ids[0]))
 
 
+def _router_figures(fetched: dict) -> dict:
+  """A MoE model's router statistics as scalars; each expert's share of the choices gets its own key."""
+  figures = {key: float(value) for key, value in fetched.items() if key.startswith("moe_")}
+  if "expert_load" in fetched:
+    figures.update({f"expert_load/{i}": float(share) for i, share in enumerate(fetched["expert_load"])})
+  return figures
+
+
 def _format(m: dict) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
   skipped = f"  skipped {m['skipped']}" if m["skipped"] else ""
-  return (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+  line = (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
           f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}")
+  if "moe_balance_loss" in m:
+    loads = [value for key, value in m.items() if key.startswith("expert_load/")]
+    line += (f"  balance {m['moe_balance_loss']:.3f}  z {m['moe_z_loss']:.2f}  dropped {m['moe_dropped']:.1%}"
+             f"  expert load {min(loads):.3f}..{max(loads):.3f}")
+  return line
 
 
 def _log(line: str) -> None:

@@ -17,8 +17,9 @@ from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
 from parallel import rules
-from parallel.checks import check_divides
+from parallel.checks import check_backend, check_divides
 from parallel.mesh import PIPELINE, SEQUENCE, make_mesh
+from training import loss_scale
 from training.optimizer import make_optimizer
 
 MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama}
@@ -32,7 +33,11 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, compute_dtype=config.precision.compute,
-                     kv_heads=m.kv_heads, rope_theta=m.rope_theta)
+                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                     num_experts=config.moe.experts,
+                     moe_every=config.moe.every, moe_top_k=config.moe.top_k,
+                     moe_capacity_factor=config.moe.capacity_factor, moe_dropless=config.moe.dropless,
+                     moe_balance_weight=config.moe.balance_weight, moe_z_weight=config.moe.z_weight)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
@@ -53,6 +58,7 @@ class Layout:
   microbatches: int
   virtual_stages: int
   context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
+  initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
 
   @property
   def param_shardings(self):
@@ -68,6 +74,7 @@ def plan(config, devices=None) -> Layout:
   cfg = model_config(config)
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
                 zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
+  check_backend(cfg, mesh.devices.flat[0])
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
@@ -88,12 +95,16 @@ def plan(config, devices=None) -> Layout:
   counter = jax.ShapeDtypeStruct((), jnp.int32)
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
+  if loss_scale.uses_loss_scaling(config):
+    abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
+    state_shardings["loss_scale"] = {"scale": replicated, "good_steps": replicated}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
                 virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1,
-                context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none")
+                context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
+                initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
 
 
 def init_state(layout: Layout, seed: int) -> dict:
@@ -102,12 +113,30 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
-            "skipped": jnp.zeros((), jnp.int32)}
+    return _first_state(layout, params)
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
 
 
+def state_from_params(layout: Layout, params: dict) -> dict:
+  """Step 0 around given parameters (already in their shardings, and donated): fresh optimizer state."""
+  return jax.jit(lambda p: _first_state(layout, p), out_shardings=layout.state_shardings,
+                 donate_argnums=0)(params)
+
+
+def _first_state(layout: Layout, params: dict) -> dict:
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+           "skipped": jnp.zeros((), jnp.int32)}
+  if layout.initial_loss_scale is not None:
+    state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
+  return state
+
+
 def param_count(layout: Layout) -> int:
   return sum(x.size for x in jax.tree.leaves(layout.abstract_state["params"]))
+
+
+def active_param_count(layout: Layout) -> int:
+  """Parameters each token computes with: all of a dense model's, the top-k experts' of a MoE one."""
+  return param_count(layout) - layout.model.idle_expert_params
 

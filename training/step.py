@@ -7,21 +7,28 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from model.sharding_hooks import context_strategy
-from parallel import context, microbatch, pipeline, rules
-from parallel.mesh import SEQUENCE
+from model.sharding_hooks import context_strategy, expert_parallelism
+from parallel import context, experts, microbatch, pipeline, rules
+from parallel.mesh import EXPERT, SEQUENCE
+from training import loss_scale
 from training.optimizer import learning_rate
 from training.state import Layout
 
 
-def loss_fn(layout: Layout, params, batch) -> jax.Array:
+def objective(layout: Layout, params, batch):
+  """(what training differentiates, statistics with the cross-entropy and any router figures)."""
   model = nnx.merge(layout.graphdef, params)
   if layout.context != "ring":
-    return model(batch["inputs"], batch["targets"])
+    return model.objective(batch["inputs"], batch["targets"])
   # Ring attention balances causal work over a zig-zag token order; the model
   # follows token positions, and the mean loss does not care about order.
   order_T = context.zigzag_order(batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
-  return model(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T))
+  return model.objective(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T))
+
+
+def loss_fn(layout: Layout, params, batch) -> jax.Array:
+  """The next-token cross-entropy."""
+  return objective(layout, params, batch)[1]["cross_entropy"]
 
 
 @contextlib.contextmanager
@@ -31,57 +38,92 @@ def placement(layout: Layout):
     stack.enter_context(rules.activation_sharding(layout.mesh))
     if layout.context != "none":
       stack.enter_context(context_strategy(context.strategy(layout.context, layout.mesh)))
+    if layout.mesh.shape[EXPERT] > 1 and layout.model.num_experts:
+      stack.enter_context(expert_parallelism(experts.strategy(layout.mesh)))
     yield
 
 
-def schedule_grad_fn(layout: Layout):
-  """(params, batch) -> (loss, grads) for the layout: gradients belong to the pipeline schedule."""
+def schedule_grad_fn(layout: Layout, scale=None):
+  """(params, batch) -> ((loss, stats), grads) for the layout: gradients belong to the pipeline schedule.
+
+  With a loss `scale` the gradients are of scale x loss (float16 loss scaling); the loss returned
+  is unscaled. The pipeline schedules run dense models only (parallel/checks.py), so their
+  statistics are empty, and 1F1B, which differentiates stage by stage, runs unscaled.
+  """
   if layout.schedule == "1f1b":
-    return lambda p, b: pipeline.one_f_one_b_loss_and_grads(layout, p, b)
+    def one_f_one_b(p, b):
+      loss, grads = pipeline.one_f_one_b_loss_and_grads(layout, p, b)
+      return (loss, {}), grads
+    return one_f_one_b
   if layout.schedule in ("gpipe", "interleaved"):
-    return jax.value_and_grad(lambda p, b: pipeline.circular_loss(layout, p, b))
-  return jax.value_and_grad(lambda p, b: loss_fn(layout, p, b))
+    loss_of = lambda p, b: (pipeline.circular_loss(layout, p, b), {})
+  else:
+    loss_of = lambda p, b: objective(layout, p, b)
+  if scale is None:
+    return jax.value_and_grad(loss_of, has_aux=True)
+
+  def scaled(p, b):
+    loss, stats = loss_of(p, b)
+    return loss * scale, (loss, stats)
+
+  def grad_fn(p, b):
+    (_, loss_stats), grads = jax.value_and_grad(scaled, has_aux=True)(p, b)
+    return loss_stats, grads
+
+  return grad_fn
 
 
-def loss_and_grads(layout: Layout, params, batch, grad_accum: int):
-  """Mean loss and gradients over the batch, accumulated over `grad_accum` micro-batches."""
-  grad_fn = schedule_grad_fn(layout)
+def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
+  """((objective, stats), gradients), each the mean over `grad_accum` micro-batches of the batch.
+
+  Under a loss `scale` the gradients stay scaled: the caller checks them for overflow, then unscales.
+  """
+  grad_fn = schedule_grad_fn(layout, scale)
   if grad_accum == 1:
     return grad_fn(params, batch)
 
   def accumulate(carry, micro_batch):
-    loss_sum, grad_sum = carry
-    loss, grads = grad_fn(params, micro_batch)
-    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
-                                                layout.param_shardings)
-    return (loss_sum + loss, grad_sum), None
+    (loss, stats), grads = grad_fn(params, micro_batch)
+    grads = jax.tree.map(jnp.add, carry[1], grads)
+    return (jax.tree.map(jnp.add, carry[0], (loss, stats)),
+            jax.lax.with_sharding_constraint(grads, layout.param_shardings)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                         jax.tree.map(lambda x: microbatch.split(x, grad_accum, layout.mesh), batch))
-  return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+  micro_batches = jax.tree.map(lambda x: microbatch.split(x, grad_accum, layout.mesh), batch)
+  first = jax.tree.map(lambda x: x[0], micro_batches)
+  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
+  (loss_stats, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  return jax.tree.map(lambda x: x / grad_accum, (loss_stats, grad_sum))
 
 
 def make_train_step(layout: Layout, config):
   """The jitted step with explicit shardings for every leaf; the incoming state is donated."""
   schedule = learning_rate(config)
-  grad_accum = config.grad_accum
+  grad_accum, growth_interval = config.grad_accum, config.precision.loss_scale_growth
 
   def train_step(state, batch):
+    scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
     with placement(layout):
-      loss, grads = loss_and_grads(layout, state["params"], batch, grad_accum)
+      (loss, stats), grads = loss_and_grads(layout, state["params"], batch, grad_accum, scale)
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     # A non-finite loss or gradient never reaches the weights: the update is
     # dropped and counted, and the loop applies config.nonfinite to the count.
+    # Under float16 this is also the loss scaler's overflow skip.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
                  "opt_state": keep_finite(opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-               "skipped": new_state["skipped"]}
+    # `loss` is the cross-entropy, comparable across dense and MoE runs; router figures ride along.
+    metrics = {**stats, "loss": stats.get("cross_entropy", loss), "grad_norm": grad_norm,
+               "lr": schedule(state["step"]), "skipped": new_state["skipped"]}
+    metrics.pop("cross_entropy", None)
+    if scale is not None:
+      new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)
+      metrics["loss_scale"] = scale
     return new_state, metrics
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}

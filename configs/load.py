@@ -1,0 +1,52 @@
+"""Configs named outside train.py's flag: `FILE:VARIANT`, then `field=value` overrides, checked like the flag's.
+
+Tools that take several configs in one invocation (tools/bench.py) cannot use
+ml_collections' single `--config` flag; this gives them the same locked
+configs and the same refusal of a misspelt field.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """`configs/gpt2.py:124m` (variant optional), locked."""
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"the config file {path!r} does not exist; give one like configs/gpt2.py:tiny.")
+  module_spec = importlib.util.spec_from_file_location(f"meshlm_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(variant) if variant else module.get_config()
+  config.lock()
+  return config
+
+
+def override(config: ml_collections.ConfigDict, path: str, text: str) -> None:
+  """Set the dotted field `path` from `text`, parsed as the type the field already has."""
+  *parents, leaf = path.split(".")
+  node = config
+  for name in parents:
+    if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+      raise ValueError(f"the config has no field {path!r}; configs/base.py lists every field.")
+    node = node[name]
+  if leaf not in node or isinstance(node[leaf], ml_collections.ConfigDict):
+    raise ValueError(f"the config has no field {path!r}; configs/base.py lists every field.")
+  node[leaf] = _parse(path, text, type(node[leaf]))
+
+
+def _parse(path: str, text: str, kind: type):
+  if kind is bool:
+    if text.lower() not in _TRUE + _FALSE:
+      raise ValueError(f"{path}={text!r} is not a boolean; use true or false.")
+    return text.lower() in _TRUE
+  if kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      raise ValueError(f"{path}={text!r} is not a number of type {kind.__name__}.") from None
+  return text

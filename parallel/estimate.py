@@ -1,0 +1,356 @@
+"""What a train step should cost per device, by arithmetic: memory and collective bytes.
+
+Nothing is compiled or allocated. The weights come in as (shape, logical axes)
+pairs, read off the model's abstract (nnx.eval_shape), so the estimate cannot
+drift from the model; their per-device size follows the same rules table
+(parallel/rules.py) the run shards with. Everything else is the textbook
+arithmetic of the seeds (MLSysBook ch. 18, the distributed-training chapter):
+
+- memory: fp32 params, gradients and Adam's m and v (GPT-2 1.5B: about 6 GB
+  each on one device), the batch, and the activations saved for the backward
+  pass under the remat policy.
+- collectives, as bytes one device sends per step under the ring algorithms
+  (all-reduce 2N(D-1)/D, all-gather and reduce-scatter N(D-1)/D with N the
+  full buffer, all-to-all N(D-1)/D, collective-permute N), for what the layout
+  does: data-parallel gradient all-reduce, ZeRO/FSDP all-gathers and
+  reduce-scatters, Megatron's two all-reduces per layer each way, pipeline
+  hand-offs per micro-batch, and the context strategies over `sequence`.
+
+Keys of the collective estimate are (kind, axes joined by "+"), as
+parallel/analysis.py `traffic_per_step` reads them off compiled HLO.
+"""
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+from model.config import VOCAB_MULTIPLE
+from parallel import rules, schedules
+from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+
+ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0}
+INT32_BYTES = 4
+MASTER_BYTES = 4  # master weights and their gradients are float32 whatever the compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+  shape: tuple[int, ...]
+  axes: tuple  # logical names, None where unnamed
+
+  @property
+  def stacked(self) -> bool:
+    return "layers" in self.axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """The per-device sizes a step works on: tokens of one micro-batch, heads and widths per shard."""
+  mesh: dict
+  batch: int  # sequences per device in one micro-batch (grad_accum and pipeline split the batch)
+  length: int  # tokens per sequence on this device (sequence sharding splits it)
+  full_length: int
+  embed: int
+  mlp: int  # per tensor shard, likewise heads, kv_heads and vocab
+  heads: int
+  kv_heads: int
+  head_dim: int
+  vocab: int
+  compute_bytes: int
+  context: str
+
+  @property
+  def keys(self) -> int:
+    """Keys each query scores: the whole sequence, except the ring's one block at a time."""
+    return self.length if self.context == "ring" else self.full_length
+
+  @property
+  def tokens(self) -> int:
+    return self.batch * self.length
+
+  def activation_bytes(self, width: int) -> int:
+    """One [batch, length, width] activation in the compute dtype."""
+    return self.tokens * width * self.compute_bytes
+
+
+def dims(config, mesh: dict) -> Dims:
+  m, tensor = config.model, mesh[TENSOR]
+  micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
+  padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  return Dims(mesh=mesh, batch=config.batch_size // micro // (mesh[DATA] * mesh[EXPERT]),
+              length=m.max_len // mesh[SEQUENCE], full_length=m.max_len, embed=m.embed_dim,
+              mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
+              kv_heads=(m.kv_heads or m.num_heads) // tensor, head_dim=m.embed_dim // m.num_heads,
+              vocab=padded_vocab // tensor, compute_bytes=_compute_bytes(config),
+              context=config.attention.context if mesh[SEQUENCE] > 1 else "none")
+
+
+def shard_elements(weight: Weight, mesh: dict, table) -> int:
+  """Elements of one weight on one device when laid out by a rules table."""
+  spec = rules.spec(weight.axes, table)
+  size = 1
+  for dim, entry in zip(weight.shape, tuple(spec) + (None,) * len(weight.shape)):
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    size *= -(-dim // math.prod(mesh[a] for a in axes))
+  return size
+
+
+def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
+  return {a for e in rules.spec(weight.axes, table) if e
+          for a in ((e,) if isinstance(e, str) else e) if mesh[a] > 1}
+
+
+def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
+  """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
+  zero, d = config.sharding.zero, dims(config, mesh)
+  params = sum(shard_elements(w, mesh, rules.weight_rules(zero)) for w in weights) * MASTER_BYTES
+  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero)) for w in weights)
+             * np.dtype(config.precision.moments).itemsize)
+  if config.optimizer.name not in ADAM_MOMENTS:
+    raise ValueError(f"optimizer.name={config.optimizer.name!r} has no memory estimate.")
+  local_batch = config.batch_size // (mesh[DATA] * mesh[EXPERT])
+  # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
+  return {"params": params, "grads": params * (2 if config.grad_accum > 1 else 1),
+          "opt_state": moments * ADAM_MOMENTS[config.optimizer.name],
+          "batch": 2 * local_batch * d.length * INT32_BYTES,
+          "activations": activations(config, d, weights)}
+
+
+def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
+  """Bytes one layer saves for its backward pass per micro-batch, without remat.
+
+  Counted from what jax's autodiff saves for these blocks (`saved_residuals`):
+  per token, eight values of width D (the norms' float32 internals, the block
+  input and the residual after attention), Q, K, V and the attention output
+  (GPT-2; Llama saves Q and K with and without rotary), the MLP's hidden
+  values (tanh-GELU: five; SwiGLU: six), and per attention score three float32
+  values (logits, exponentials, probabilities) and one in the compute dtype.
+  Below float32 the step also keeps each layer's weight matrices cast to the
+  compute dtype. XLA on the CPU keeps all of it; a fusing backend may keep less.
+  """
+  c, f32, gpt2 = d.compute_bytes, 4, config.model.family == "gpt2"
+  heads = (4 * d.heads if gpt2 else 2 * d.heads + 2 * d.kv_heads) * d.head_dim * c
+  mlp = (5 if gpt2 else 6) * d.mlp * c
+  per_token = 6 * d.embed * f32 + 2 * d.embed * c + heads + mlp + d.heads * d.keys * (3 * f32 + c)
+  return d.tokens * per_token + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0)
+
+
+def _cast_weight_bytes(config, mesh, weights) -> int:
+  """One layer's matrices in the compute dtype, as the step uses them (gathered under FSDP)."""
+  layers = config.model.num_layers // mesh[PIPELINE]
+  return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
+             if w.stacked and len(w.shape) > 2) // layers * _compute_bytes(config)
+
+
+def _compute_bytes(config) -> int:
+  """Bytes per activation value: float8 multiplies in fp8 but keeps its activations in bfloat16."""
+  return 2 if config.precision.compute == "float8" else np.dtype(config.precision.compute).itemsize
+
+
+def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
+  """What one layer keeps per micro-batch under the remat policy."""
+  policy = config.model.remat
+  if policy == "none":
+    return _layer_saved_bytes(config, d, weights)
+  if policy == "full":
+    return d.activation_bytes(d.embed)  # the block input only
+  if policy == "save_dots":
+    # The block input and the weight matmuls' outputs: QKV, attention projection, MLP in (and gate) and out.
+    mlp_in = (1 if config.model.family == "gpt2" else 2) * d.mlp
+    qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
+    return d.activation_bytes(d.embed + qkv + 2 * d.embed + mlp_in)
+  if policy == "save_attention":
+    return d.activation_bytes(d.embed + d.heads * d.head_dim)  # the block input and attention's output
+  if policy == "offload":
+    return d.activation_bytes(d.embed)  # attention's output waits in host memory, not on the device
+  raise ValueError(f"model.remat={policy!r} has no memory estimate.")
+
+
+def activations(config, d: Dims, weights: list[Weight]) -> int:
+  """Activations saved for the backward pass, one layer's backward working set, and the loss's.
+
+  While a layer runs backward, the gradients of its values take about as
+  much room as what it saved.
+  """
+  mesh, layers = d.mesh, config.model.num_layers // d.mesh[PIPELINE]
+  # The head's float32 logits, their log-softmax and its gradient.
+  loss = 3 * d.tokens * d.vocab * 4
+  working = _layer_saved_bytes(config, d, weights)
+  saved = _remat_saved_bytes(config, d, weights)
+  if mesh[PIPELINE] == 1:
+    return layers * saved + working + loss
+  stages, micro = mesh[PIPELINE], config.pipeline.microbatches
+  # Loss and embedding run on the whole batch outside the stage loop.
+  loss *= micro
+  if config.pipeline.schedule == "1f1b":
+    # Stashed stage inputs; each backward slot recomputes one stage's forward.
+    return (schedules.stash_slots(stages) * d.activation_bytes(d.embed)
+            + layers * _layer_saved_bytes(config, d, weights) + loss)
+  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
+  ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
+  # Autodiff through the tick loop saves every tick's stage activations, bubble ticks
+  # included, and the chunk of weights each tick slices out for its stage.
+  chunk = _stage_weight_bytes(config, mesh, weights) // virtual
+  return ticks * ((layers // virtual) * saved + chunk) + working + loss
+
+
+def _stage_weight_bytes(config, mesh, weights) -> int:
+  """The stacked weights one stage holds, whole over `data`, in the parameter dtype."""
+  return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights if w.stacked) * \
+      MASTER_BYTES
+
+
+def _axes_key(axes) -> str:
+  return "+".join(a for a in AXES if a in axes) or "-"
+
+
+def _all_reduce(n: int, d: int) -> int:
+  return 2 * n * (d - 1) // d
+
+
+def _gather(n: int, d: int) -> int:
+  """All-gather or reduce-scatter of a buffer whose full size is n."""
+  return n * (d - 1) // d
+
+
+def collectives(config, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str], int]:
+  """Ring bytes one device sends per step, by (kind, axes)."""
+  traffic = collections.Counter()
+  _gradients(config, mesh, weights, traffic)
+  _tensor_parallel(config, mesh, traffic)
+  _pipeline(config, mesh, weights, traffic)
+  _context(config, mesh, traffic)
+  return {key: value for key, value in traffic.items() if value}
+
+
+def _gradients(config, mesh, weights, traffic):
+  """Data parallelism and ZeRO: gradients summed over every axis that splits the tokens.
+
+  ZeRO-0 all-reduces each gradient. With ZeRO-1/3 a weight whose moments live
+  on `data` has its gradient reduce-scattered there (the other token axes
+  all-reduce the shard); ZeRO-1 then all-gathers the updated weights, ZeRO-3
+  all-gathers each weight where it is used: stacked layers once in the
+  forward loop and once in the backward loop, the rest once. Each micro-batch
+  of gradient accumulation reduces its own gradients. A tied embedding is used
+  twice (lookup and head), and XLA reduces the two uses' gradients apart.
+  """
+  zero, accum = config.sharding.zero, config.grad_accum
+  param_bytes = MASTER_BYTES
+  token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
+  tied = config.model.family == "gpt2"
+  for w in weights:
+    # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
+    used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
+    uses = 2 if tied and w.axes == ("vocab", "embed") else 1
+    fsdp = zero == 3 and DATA in sharded_over(w, mesh, rules.weight_rules(3))
+    scatter = DATA in token_axes and DATA in sharded_over(w, mesh, rules.optimizer_rules(zero))
+    replicas = token_axes - ({DATA} if scatter else set())
+    grad = used
+    if scatter:
+      traffic[("reduce-scatter", DATA)] += accum * uses * _gather(used, mesh[DATA])
+      grad //= mesh[DATA]
+    if replicas:
+      group = math.prod(mesh[a] for a in replicas)
+      traffic[("all-reduce", _axes_key(replicas))] += accum * uses * _all_reduce(grad, group)
+    if scatter and zero == 1:
+      traffic[("all-gather", DATA)] += _gather(used, mesh[DATA])
+    if fsdp:
+      traffic[("all-gather", DATA)] += accum * (2 if w.stacked else 1) * _gather(used, mesh[DATA])
+
+
+def _layer_passes(config, mesh) -> tuple[int, int]:
+  """(forward, backward) runs of one device's layers per step, counted in micro-batches.
+
+  Recomputation (a remat policy, or 1F1B's backward slot) runs the forward again.
+  """
+  accum, stages = config.grad_accum, mesh[PIPELINE]
+  if stages == 1:
+    forward = accum
+  elif config.pipeline.schedule == "1f1b":
+    # Idle slots are skipped; every backward slot recomputes its stage's forward.
+    micro = config.pipeline.microbatches
+    return accum * 2 * micro, accum * micro
+  else:
+    virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
+    # Every tick runs the stage (bubble ticks on zeros), and autodiff differentiates every tick.
+    forward = accum * schedules.circular_ticks(stages=stages, virtual=virtual,
+                                               micro=config.pipeline.microbatches) // virtual
+  backward = forward
+  return forward * (2 if config.model.remat == "full" else 1), backward
+
+
+def _tensor_parallel(config, mesh, traffic):
+  """Megatron-LM: per layer, the attention and MLP outputs are all-reduced forward, their inputs' gradients backward.
+
+  The row-parallel matmuls accumulate in float32 and cast after the
+  reduction, so these all-reduces carry float32 whatever the compute dtype.
+  Outside the layers: the vocabulary-sharded embedding lookup forward, the
+  head's input gradient backward, and the softmax's max, sum and the loss's
+  contraction over the vocabulary, each a float32 value per token.
+  """
+  if mesh[TENSOR] == 1:
+    return
+  d, t = dims(config, mesh), mesh[TENSOR]
+  forward, backward = _layer_passes(config, mesh)
+  layers = config.model.num_layers // mesh[PIPELINE]
+  per_layer = 2 * _all_reduce(d.tokens * d.embed * 4, t)
+  outside = d.tokens * (2 * d.embed + 4) * 4
+  micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
+  traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
+                                      + micro * _all_reduce(outside, t))
+
+
+def _pipeline(config, mesh, weights, traffic):
+  """Stage-to-stage hand-offs of one micro-batch's activations, and the shares around the stage loop.
+
+  gpipe / interleaved: one permute per tick forward and its transpose backward;
+  the last stage's outputs are summed over `pipeline` so every stage holds them
+  for the head, and the gradient of the stage inputs likewise. 1f1b: a forward
+  and a backward permute per tick; the loss, the head and embedding gradients
+  and the input gradients are summed over `pipeline` once.
+  """
+  stages = mesh[PIPELINE]
+  if stages == 1:
+    return
+  d, micro, accum = dims(config, mesh), config.pipeline.microbatches, config.grad_accum
+  hop = d.activation_bytes(d.embed)
+  if config.pipeline.schedule == "1f1b":
+    ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
+    shared = sum(shard_elements(w, mesh, rules.weight_rules(config.sharding.zero))
+                 for w in weights if not w.stacked) * MASTER_BYTES
+    traffic[("all-reduce", PIPELINE)] += accum * (_all_reduce(shared + micro * hop, stages))
+  else:
+    virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
+    ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
+    traffic[("all-reduce", PIPELINE)] += accum * 2 * _all_reduce(micro * hop, stages)
+  traffic[("collective-permute", PIPELINE)] += accum * 2 * ticks * hop
+
+
+def _context(config, mesh, traffic):
+  """Attention over a sharded `length`: per layer, forward and backward.
+
+  allgather: K and V gathered forward, their gradients reduce-scattered
+  backward. ring: S-1 hops of a K/V block (with its positions) forward and of
+  its gradients backward. ulysses: Q, K, V and the output each cross one
+  all-to-all forward and one backward.
+  """
+  shards = mesh[SEQUENCE]
+  if shards == 1:
+    return
+  d, strategy = dims(config, mesh), config.attention.context
+  forward, backward = _layer_passes(config, mesh)
+  layers = config.model.num_layers
+  kv = d.activation_bytes(d.kv_heads * d.head_dim)
+  q = d.activation_bytes(d.heads * d.head_dim)
+  if strategy == "allgather":
+    traffic[("all-gather", SEQUENCE)] += forward * layers * 2 * _gather(kv * shards, shards)
+    traffic[("reduce-scatter", SEQUENCE)] += backward * layers * 2 * _gather(kv * shards, shards)
+  elif strategy == "ring":
+    block = 2 * kv + d.length * INT32_BYTES
+    traffic[("collective-permute", SEQUENCE)] += (forward + backward) * layers * (shards - 1) * block
+  elif strategy == "ulysses":
+    traffic[("all-to-all", SEQUENCE)] += (forward + backward) * layers * _gather(2 * q + 2 * kv, shards)
+  else:
+    raise ValueError(f"attention.context={strategy!r} has no collective estimate.")

@@ -1,0 +1,38 @@
+"""Expert parallelism: experts sharded over `expert`, tokens sent to them and back with all-to-all.
+
+The MoE layer lays its tokens out per expert, (E, batch, capacity, embed), with
+the batch split over `data` x `expert` like every activation. Inside a
+`shard_map`, one all-to-all over `expert` trades the batch split
+for an expert split, so each device holds every token routed to its E/X
+experts; the experts run; a second all-to-all trades back. `tensor` stays
+under GSPMD inside, so the experts' hidden dimension is Megatron-sharded over
+`tensor` as a dense MLP's is.
+
+The map is manual over `data` too, each device's rows local: left to GSPMD,
+an all-to-all along a dimension also split over `data` first gathers it over
+`data`. The expert weights enter replicated over `data`, which under FSDP is
+the all-gather of its weights that FSDP performs anyway.
+"""
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from parallel.mesh import DATA, EXPERT
+
+_TOKENS = P(None, (EXPERT, DATA))  # (E, batch, capacity, embed): the batch as every activation splits it
+_WEIGHTS = P(EXPERT)  # every expert weight leads with its expert axis
+
+
+def strategy(mesh):
+  """The function MoE layers call to run `experts(x_EBCD, *weights)` over the `expert` axis."""
+
+  def run(experts, x_EBCD, weights):
+    def dispatch_compute_combine(x_EBCD, *local_weights):
+      x_eBCD = jax.lax.all_to_all(x_EBCD, EXPERT, split_axis=0, concat_axis=1, tiled=True)
+      y_eBCD = experts(x_eBCD, *local_weights)
+      return jax.lax.all_to_all(y_eBCD, EXPERT, split_axis=1, concat_axis=0, tiled=True)
+
+    return jax.shard_map(dispatch_compute_combine, mesh=mesh, in_specs=(_TOKENS,) + (_WEIGHTS,) * len(weights),
+                         out_specs=_TOKENS, axis_names={DATA, EXPERT})(x_EBCD, *weights)
+
+  return run

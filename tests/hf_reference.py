@@ -1,0 +1,76 @@
+"""The transformers side of tests/test_hf_checkpoint.py, run by the sidecar interpreter (.venv-hf, Python 3.11).
+
+  .venv-hf/bin/python tests/hf_reference.py JOBS.json
+
+JOBS.json is a list of jobs, run in order in one process (torch and
+transformers take seconds to import, so the tests batch their questions):
+  {"make": "gpt2" | "llama", "dir": D, "config": {...}, "seed": S, "save": {...}}
+      a model with every weight random (norms and biases too), save_pretrained(D, **save)
+  {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
+  {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
+      transformers' own causal-LM loss with `targets` as the shifted labels
+  {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+CLASSES = {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+
+
+def load(directory):
+  # Eager attention: the plain softmax(QK^T)V, in float32.
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make(job):
+  config_class, model_class = CLASSES[job["make"]]
+  torch.manual_seed(job["seed"])
+  model = model_class(config_class(**job["config"]))
+  with torch.no_grad():
+    for name, weight in model.named_parameters():
+      # Norm scales near 1 keep activations in range; everything else plainly random.
+      base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else 0.0
+      weight.copy_(base + 0.1 * torch.randn_like(weight))
+  model.save_pretrained(job["dir"], **job["save"])
+
+
+def logits(job):
+  tokens = torch.from_numpy(np.load(job["tokens"])).long()
+  with torch.no_grad():
+    np.save(job["out"], load(job["logits"])(input_ids=tokens).logits.numpy())
+
+
+def loss(job):
+  inputs = torch.from_numpy(np.load(job["inputs"])).long()
+  targets = torch.from_numpy(np.load(job["targets"])).long()
+  with torch.no_grad():
+    # shift_labels: the targets are already the next tokens, as meshlm's batches hold them.
+    out = load(job["loss"])(input_ids=inputs, labels=targets, shift_labels=targets)
+  np.save(job["out"], out.loss.numpy())
+
+
+def compare(job):
+  first, second = (load(d) for d in job["compare"])
+  a, b = first.state_dict(), second.state_dict()
+  differ = sorted(k for k in a.keys() & b.keys() if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k]))
+  result = {"missing": sorted(a.keys() - b.keys()), "unexpected": sorted(b.keys() - a.keys()),
+            "differ": differ, "tensors": len(a),
+            "tied": [m.config.tie_word_embeddings for m in (first, second)]}
+  with open(job["out"], "w") as f:
+    json.dump(result, f)
+
+
+JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare}
+
+if __name__ == "__main__":
+  torch.set_num_threads(1)  # the tests run beside XLA on a small machine
+  with open(sys.argv[1]) as f:
+    for job in json.load(f):
+      JOBS[next(kind for kind in JOBS if kind in job)](job)

@@ -1,0 +1,118 @@
+"""tools/bench.py end to end on the tiny model, with peers; its search, specs, presets and layouts."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from tools import bench_report, bench_runs
+from training.state import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Peers for a machine without the real ones: a plain-JAX peer that prints the
+# real script's JSON line (tokens/s fixed, so the ratio is checkable) and a
+# torch peer whose import fails, as on a machine without torch.
+JAX_PEER = """
+    import json, sys
+    size, batch = sys.argv[1].split(":")
+    print(json.dumps(dict(peer="plain-jax", size=size, params=437760, batch=int(batch), seq=32,
+                          step_s=0.5, tok_s=int(batch) * 32 * 2, mfu_989=0.0, warm_s=1.0, peak_mem_gib=0.0)))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("bench")
+  peers = folder / "peers"
+  peers.mkdir()
+  (peers / "jax_gpt2.py").write_text(textwrap.dedent(JAX_PEER))
+  (peers / "torch_gpt2.py").write_text("import torch_is_not_installed_here\n")
+  out = folder / "bench.jsonl"
+  result = subprocess.run(
+      [sys.executable, "tools/bench.py", "--config=configs/gpt2.py:tiny",
+       "--config=configs/gpt2.py:tiny,model.num_layers=1", "--config.mesh.data=4", "--config.mesh.tensor=2",
+       "--batch=8", "--seq_len=32", "--steps=2", "--warmup=1", "--windows=1", f"--peers={peers}", f"--out={out}",
+       "--config.profile_steps=1,2", f"--config.workdir={folder / 'work'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  return result.stdout, bench_report.read_records(out), folder / "work"
+
+
+def test_json_lines_hold_sane_numbers(cli_run):
+  _, records, _ = cli_run
+  ours = [r for r in records if r["kind"] == "meshlm"]
+  assert [r["config"] for r in ours] == ["configs/gpt2.py:tiny", "configs/gpt2.py:tiny,model.num_layers=1"]
+  for r in ours:
+    assert "error" not in r, r
+    assert r["batch"] == 8 and r["seq"] == 32 and r["mesh"] == {"data": 4, "tensor": 2}
+    assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["compile_s"] > 0 and r["peak_mem_gib"] > 0
+    assert r["mfu"] is None  # a CPU's peak is unknown
+  assert ours[1]["params"] < ours[0]["params"]
+  assert ours[0]["peer_size"] == "tiny" and ours[1]["peer_size"] is None  # one layer is no peer's shape
+
+
+def test_peers_ratio_and_unavailable(cli_run):
+  stdout, records, _ = cli_run
+  peer = {r["peer"]: r for r in records if r["kind"] == "peer"}
+  assert peer["plain-jax"]["tokens_per_s"] == 8 * 32 * 2 and peer["plain-jax"]["size"] == "tiny"
+  assert "torch_is_not_installed_here" in peer["torch.compile"]["unavailable"]
+  ours = records[0]
+  row = next(line for line in stdout.splitlines() if line.startswith("| configs/gpt2.py:tiny |"))
+  assert f"{ours['tokens_per_s'] / 512:.2f}x" in row and "1.00x" in row
+  assert "unavailable: ModuleNotFoundError" in stdout
+
+
+def test_report_redraws_the_tables(cli_run):
+  stdout, records, _ = cli_run
+  assert stdout.rstrip().endswith(bench_report.tables(records))
+
+
+def test_profile_steps_trace_an_extra_window(cli_run):
+  *_, workdir = cli_run
+  traces = list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
+  assert traces, "no trace written"
+
+
+def test_best_batch_search_doubles_until_a_failure():
+  assert bench_runs.batch_sizes(16, True, 100) == [16, 32, 64]
+  assert bench_runs.batch_sizes(16, False, 100) == [16]
+  fits = lambda b: {"batch": b, "tokens_per_s": 10.0 * b} if b <= 32 else {"batch": b, "fits": False}
+  assert [r["batch"] for r in bench_runs.searched(fits, [8, 16, 32, 64, 128])] == [8, 16, 32, 64]
+  records = [{"kind": "meshlm", "config": "c", "preset": "default", **r, "step_s": 1.0, "compute": "bfloat16",
+              "attention": "xla"} for r in bench_runs.searched(fits, [8, 16, 32, 64])]
+  table = bench_report.tables(records)
+  assert "| c | default | 8, 16, 32, 64 (last failed) | 32 | 320 |" in table
+
+
+def test_config_specs_and_overrides():
+  config = bench_runs.build_config("configs/gpt2.py:tiny,model.num_layers=3,model.remat=full",
+                                   [("sharding.zero", "3"), ("optimizer.decay_1d", "true")], batch=4, seq_len=64)
+  assert (config.model.num_layers, config.model.remat, config.sharding.zero) == (3, "full", 3)
+  assert config.optimizer.decay_1d is True and config.batch_size == 4 and config.model.max_len == 64
+  assert config.data.source == "synthetic"
+  with pytest.raises(ValueError, match="no field 'model.layerz'"):
+    bench_runs.build_config("configs/gpt2.py:tiny,model.layerz=3", [], batch=None, seq_len=64)
+  with pytest.raises(ValueError, match="not a number"):
+    bench_runs.build_config("configs/gpt2.py:tiny", [("batch_size", "many")], batch=None, seq_len=64)
+  assert bench_runs.split_overrides(["--batch=2", "--config.mesh.data=4"]) == (["--batch=2"], [("mesh.data", "4")])
+
+
+def test_xla_presets_are_flags_this_jaxlib_knows():
+  # XLA aborts at start-up on an unknown flag, GPU flags included even on a CPU.
+  flags = sorted({f for preset in bench_runs.XLA_PRESETS.values() for f in preset})
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-500:]
+
+
+@pytest.mark.parametrize("layout", bench_runs.CPU_LAYOUTS, ids=lambda layout: f"{layout[0]}: {layout[1]}")
+def test_cpu_layouts_plan(layout):
+  _, _, spec, overrides, devices = layout
+  config = bench_runs.build_config(spec, [(k, str(v)) for k, v in overrides.items()], batch=32, seq_len=128)
+  assert plan(config, jax.devices()[:devices]).mesh.size == devices

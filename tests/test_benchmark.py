@@ -1,0 +1,42 @@
+"""training/benchmark.py: one measurement of the real train step yields every field, with sane values."""
+
+import math
+
+import pytest
+
+from conftest import tiny_config
+from training.benchmark import measure
+from training.state import param_count, plan
+from training import metrics
+
+
+@pytest.fixture(scope="module")
+def record():
+  # A CPU has no known peak, so one is given: MFU is then computed, and checkable.
+  config = tiny_config(**{"data.source": "synthetic", "batch_size": 8, "peak_tflops": 0.5})
+  return config, measure(config, warmup=1, steps=2, windows=2)
+
+
+def test_measure_reports_every_field(record):
+  config, r = record
+  assert r["fits"] and r["batch"] == 8 and r["seq"] == config.model.max_len
+  assert r["devices"] == 8 and r["mesh"] == {"data": 8}
+  assert r["params"] == r["active_params"] == param_count(plan(config))  # dense: every parameter is active
+  assert r["compile_s"] > 0 and len(r["window_step_s"]) == 2 and all(s > 0 for s in r["window_step_s"])
+  assert min(r["window_step_s"]) <= r["step_s"] <= max(r["window_step_s"])
+  assert r["tokens_per_s"] == pytest.approx(8 * config.model.max_len / r["step_s"], rel=1e-3)
+  assert 0 < r["peak_mem_gib"] < 1 and r["peak_mem_source"] == "compiled.memory_analysis"
+  # Uniform random bytes start near ln 256; the same batch over and over brings it down, never past 0.
+  assert 0 < r["loss"] < math.log(256) + 0.5
+
+
+def test_mfu_is_the_metrics_formula(record):
+  config, r = record
+  flops = metrics.flops_per_token(plan(config).model, r["active_params"])
+  expected = r["tokens_per_s"] * flops / (0.5e12 * 8)
+  assert r["mfu"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_bad_timing_is_refused_before_compiling():
+  with pytest.raises(ValueError, match="steps >= 1"):
+    measure(tiny_config(), warmup=1, steps=0, windows=1)

@@ -1,0 +1,223 @@
+"""Hugging Face checkpoints in and out, checked against transformers itself.
+
+Small random GPT-2 and Llama models are built and saved by transformers in a
+sidecar Python 3.11 environment (.venv-hf, tests/hf_reference.py), which also
+computes the reference logits and loss; the tests import them into meshlm and
+compare. Tolerance: float32 on both sides, differing only in the order of
+reductions, so logits agree to 1e-5 of the largest |logit| (about 1e-6 is
+measured) and the first training loss to 1e-5 relative. Export is exact:
+transformers loads the exported directory to the very bits it saved.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from configs.gpt2 import get_config
+from conftest import tiny_config
+from tools.export import export
+from training import data, hf_checkpoint
+from training.checkpoint import Checkpoints
+from training.loop import train
+from training.state import plan, state_from_params
+from training.step import placement
+
+ROOT = Path(__file__).resolve().parent.parent
+SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
+SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
+         ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
+VOCAB = 300  # padded to 384 inside meshlm
+# name: (family, transformers config, save_pretrained arguments)
+MODELS = {
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128), {}),
+    "llama": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                            rope_theta=500.0, tie_word_embeddings=False), {}),
+    "llama_tied": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+                   {"max_shard_size": "100KB"}),  # several files and model.safetensors.index.json
+}
+MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
+CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
+
+
+def run_reference(jobs: list, where: Path) -> None:
+  """Run jobs in the transformers sidecar; in CI a missing sidecar fails the test instead of skipping it."""
+  if not SIDECAR.exists():
+    message = f"the transformers sidecar {SIDECAR} is missing; set it up with: {SETUP}"
+    if os.environ.get("CI"):
+      pytest.fail(message)
+    pytest.skip(message)
+  jobs_file = where / "jobs.json"
+  jobs_file.write_text(json.dumps(jobs))
+  result = subprocess.run([str(SIDECAR), str(ROOT / "tests" / "hf_reference.py"), str(jobs_file)],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The saved models, random tokens, transformers' logits on them and its loss on the CLI run's first batch."""
+  where = tmp_path_factory.mktemp("hf")
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 16)).astype(np.int32)
+  np.save(where / "tokens.npy", tokens)
+  config = get_config("tiny")
+  split = data.open_split(config.data, "train", vocab_size=VOCAB)
+  rows = data.batch_rows(split, seed=config.seed, step=0, batch_size=CLI_BATCH,
+                         seq_len=MODELS["gpt2"][1]["n_positions"])
+  np.save(where / "inputs.npy", rows[:, :-1])
+  np.save(where / "targets.npy", rows[:, 1:])
+  jobs = []
+  for seed, (name, (family, hf_config, save)) in enumerate(MODELS.items()):
+    jobs.append({"make": family, "dir": str(where / name), "config": hf_config, "seed": seed, "save": save})
+    jobs.append({"logits": str(where / name), "tokens": str(where / "tokens.npy"),
+                 "out": str(where / f"{name}_logits.npy")})
+  jobs.append({"loss": str(where / "gpt2"), "inputs": str(where / "inputs.npy"),
+               "targets": str(where / "targets.npy"), "out": str(where / "gpt2_loss.npy")})
+  run_reference(jobs, where)
+  return where
+
+
+def imported(directory, devices, **overrides):
+  """The config and layout an hf: directory sets up, and its weights placed on `devices`."""
+  config = tiny_config(init_from=f"hf:{directory}", **overrides)
+  pretrained = hf_checkpoint.open_init_from(config.init_from)
+  pretrained.configure(config)
+  layout = plan(config, devices)
+  return config, layout, pretrained.load_params(layout)
+
+
+def logits(layout, params, tokens):
+  @jax.jit
+  def forward(params, tokens):
+    with placement(layout):
+      model = nnx.merge(layout.graphdef, params)
+      return model.predict(tokens)
+
+  return np.asarray(forward(params, jax.device_put(tokens, layout.batch_sharding)))
+
+
+# The tied Llama differs from the untied one only in where its head is read from: one device is enough.
+LOGIT_CASES = [(name, mesh) for name in MODELS for mesh in MESHES if name != "llama_tied" or not MESHES[mesh]]
+
+
+@pytest.mark.parametrize("name, mesh", LOGIT_CASES)
+def test_logits_match_transformers(reference, name, mesh):
+  devices = jax.devices()[:1] if mesh == "one device" else jax.devices()
+  _, layout, params = imported(reference / name, devices, **MESHES[mesh])
+  ours = logits(layout, params, np.load(reference / "tokens.npy"))
+  expected = np.load(reference / f"{name}_logits.npy")
+  assert (reference / name / hf_checkpoint.WEIGHTS_INDEX).exists() == bool(MODELS[name][2])
+  assert ours.shape[-1] == 384 and np.all(ours[..., VOCAB:] == np.finfo(np.float32).min)  # padding masked
+  error = np.abs(ours[..., :VOCAB] - expected).max() / np.abs(expected).max()
+  assert error < 1e-5, f"{name} on {mesh}: logits differ from transformers by {error:.2e} relative"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_every_mesh_reads_the_same_bits(reference, name):
+  _, _, single = imported(reference / name, jax.devices()[:1])
+  overrides = {"mesh.data": 2, "mesh.pipeline": 2, "mesh.tensor": 2, "sharding.zero": 3}
+  _, layout, sharded = imported(reference / name, jax.devices(), **overrides)
+  assert jax.tree.leaves(sharded)[0].sharding.spec[0] == "pipeline"  # layers split over stages
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(sharded)),
+                          jax.tree.leaves(jax.device_get(single))):
+    assert np.array_equal(a, b), f"{jax.tree_util.keystr(path)} differs on {overrides}"
+
+
+def test_training_starts_at_the_loss_transformers_computes(reference, tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+  command = [sys.executable, "train.py", f"--config.init_from=hf:{reference / 'gpt2'}", "--config.steps=1",
+             "--config.log_every=1", f"--config.batch_size={CLI_BATCH}", "--config.mesh.data=4",
+             "--config.mesh.tensor=2", "--config.eval_every=0", "--config.sample_tokens=0",
+             f"--config.workdir={tmp_path}"]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "initialising from" in result.stdout
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  first = next(r["loss"] for r in records if r["step"] == 1)
+  expected = float(np.load(reference / "gpt2_loss.npy"))
+  assert abs(first - expected) < 1e-5 * expected, (first, expected)
+
+
+def test_export_round_trips_bit_identically(reference, tmp_path):
+  """import -> a meshlm checkpoint -> tools/export -> transformers loads exactly the weights it saved."""
+  jobs = []
+  for name in MODELS:
+    config, layout, params = imported(reference / name, jax.devices()[:1],
+                                      workdir=str(tmp_path / name / "run"))
+    checkpoints = Checkpoints(config.workdir, every=0, keep=1)
+    checkpoints.save_now(0, state_from_params(layout, params), config)
+    checkpoints.close()
+    export(config.workdir, str(tmp_path / name / "exported"))
+    jobs.append({"compare": [str(reference / name), str(tmp_path / name / "exported")],
+                 "out": str(tmp_path / f"{name}.json")})
+  run_reference(jobs, tmp_path)
+  for name in MODELS:
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["tensors"] > 10 and not (result["missing"] or result["unexpected"] or result["differ"]), result
+    assert result["tied"][0] == result["tied"][1], result
+
+
+def refused(config, says: str):
+  with pytest.raises(ValueError, match=says) as raised:
+    train(config)
+  assert "\n" not in str(raised.value)
+  assert not Path(config.workdir).exists(), "nothing is written for bad input"
+
+
+def copy_with(source: Path, target: Path, *, config=None, tensors=None) -> Path:
+  """A copy of an HF directory with its config.json fields and its tensors changed."""
+  target.mkdir()
+  hf_config = json.loads((source / "config.json").read_text())
+  (target / "config.json").write_text(json.dumps({**hf_config, **(config or {})}))
+  weights = load_file(source / "model.safetensors")
+  save_file(tensors(weights) if tensors else weights, target / "model.safetensors", metadata={"format": "pt"})
+  return target
+
+
+def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
+  directory = copy_with(reference / "gpt2", tmp_path / "bert", config={"architectures": ["BertForMaskedLM"]})
+  refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
+          r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel and LlamaForCausalLM")
+
+
+def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
+  name = "transformer.h.1.mlp.c_fc.weight"
+  directory = copy_with(reference / "gpt2", tmp_path / "bad", tensors=lambda w: {**w, name: w[name][:, :100]})
+  refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
+          rf"holds {name} with shape \(64, 100\), but its config.json declares \(64, 128\)")
+
+
+def test_refuses_a_missing_weight(reference, tmp_path):
+  name = "model.layers.1.self_attn.k_proj.weight"
+  directory = copy_with(reference / "llama", tmp_path / "bad",
+                        tensors=lambda w: {k: v for k, v in w.items() if k != name})
+  refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
+          f"lacks the weight {name}, which its config.json declares")
+
+
+def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
+  directory = copy_with(reference / "llama", tmp_path / "scaled",
+                        config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0}})
+  refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
+          "sets rope_type='llama3', but meshlm computes unscaled rotary positions")
+  refused(tiny_config(init_from=str(directory), workdir=str(tmp_path / "run")), "use hf:<directory>")
+
+
+def test_export_refuses_without_writing(tmp_path):
+  with pytest.raises(ValueError, match="holds no checkpoint"):
+    export(str(tmp_path / "run"), str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+  (tmp_path / "taken").mkdir()
+  (tmp_path / "taken" / "keep.txt").write_text("mine")
+  with pytest.raises(ValueError, match="already exists and is not an empty directory"):
+    export(str(tmp_path / "run"), str(tmp_path / "taken"))
+  assert os.listdir(tmp_path / "taken") == ["keep.txt"]

@@ -1,0 +1,178 @@
+"""Mixture of experts: routing, capacity and losses; expert parallelism equals one device; the HLO's all-to-alls."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from model.config import ModelConfig
+from model.moe import _top_k, capacity, route
+from parallel import analysis
+from parallel.mesh import EXPERT
+from test_collectives import compiled_forward
+from test_equivalence import assert_tree_close, setup
+from training.dry_run import compile_train_step
+from training.loop import train
+from training.state import active_param_count, param_count, plan
+from training.step import loss_and_grads, placement
+
+# Capacity 1.0 on the tiny model drops about a fifth of the choices, so the layouts must agree on drops too.
+GPT2_MOE = {"moe.experts": 8, "moe.top_k": 2, "moe.capacity_factor": 1.0}
+LLAMA_MOE = {**GPT2_MOE, "model.family": "llama", "model.kv_heads": 2, "model.num_layers": 4, "moe.every": 2}
+
+
+def moe_config(num_experts=4, top_k=2, capacity_factor=1.0, dropless=False):
+  return ModelConfig(family="gpt2", num_layers=2, num_heads=2, embed_dim=8, mlp_dim=16, max_len=8,
+                     vocab_size=16, num_experts=num_experts, moe_top_k=top_k,
+                     moe_capacity_factor=capacity_factor, moe_dropless=dropless)
+
+
+def test_top_k_by_argmax_matches_lax_top_k():
+  probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 16, 8)), axis=-1)
+  for k in (1, 2, 3):
+    weights, experts = _top_k(probs, k)
+    expected_weights, expected_experts = jax.lax.top_k(probs, k)
+    np.testing.assert_array_equal(experts, expected_experts)
+    np.testing.assert_array_equal(weights, expected_weights)
+
+
+def test_capacity_keeps_the_earliest_first_choices():
+  cfg = moe_config(num_experts=4, top_k=1, capacity_factor=1.0)
+  slots = capacity(cfg, group_size=8)  # 1.0 x 8 tokens x k=1 / 4 experts
+  assert slots == 2
+  logits = jnp.zeros((1, 8, 4)).at[..., 0].set(5.0)  # every token wants expert 0
+  dispatch, combine, stats = route(logits, jnp.arange(8), cfg)
+  kept_tokens = np.nonzero(np.asarray(dispatch[0, :, 0].sum(-1)))[0]
+  np.testing.assert_array_equal(kept_tokens, [0, 1])
+  assert float(stats["moe_dropped"]) == pytest.approx(6 / 8)
+  np.testing.assert_allclose(stats["expert_load"], [1.0, 0.0, 0.0, 0.0])
+  # With k = 1 the combine weight is the router probability of the chosen expert.
+  np.testing.assert_allclose(combine[0, 0, 0, 0], jax.nn.softmax(logits[0, 0])[0], rtol=1e-6)
+
+
+def test_first_choices_outrank_second_choices():
+  cfg = moe_config(num_experts=4, top_k=2, capacity_factor=0.5)  # 0.5 x 4 x 2 / 4 = 1 slot
+  # Token 0 picks expert 1 second; token 1 picks it first: token 1 gets the slot.
+  logits = jnp.array([[[3.0, 2.0, 0.0, 0.0], [0.0, 3.0, 2.0, 0.0], [0.0, 0.0, 3.0, 2.0], [2.0, 0.0, 0.0, 3.0]]])
+  dispatch, _, _ = route(logits, jnp.arange(4), cfg)
+  assert float(dispatch[0, 1, 1].sum()) == 1.0 and float(dispatch[0, 0, 1].sum()) == 0.0
+
+
+def test_routing_follows_positions_not_array_order():
+  cfg = moe_config(num_experts=4, top_k=2, capacity_factor=1.0)
+  logits = jax.random.normal(jax.random.key(1), (2, 8, 4))
+  order = jnp.array([0, 7, 1, 6, 2, 5, 3, 4])  # a zig-zag order, as ring attention lays tokens out
+  in_order = route(logits, jnp.arange(8), cfg)
+  reordered = route(logits[:, order], order, cfg)
+  for a, b in zip(in_order[:2], reordered[:2]):
+    np.testing.assert_array_equal(a[:, order], b)
+
+
+def test_dropless_drops_nothing():
+  cfg = moe_config(num_experts=4, top_k=2, dropless=True)
+  logits = jnp.zeros((2, 8, 4)).at[..., 0].set(5.0)
+  dispatch, _, stats = route(logits, jnp.arange(8), cfg)
+  assert float(stats["moe_dropped"]) == 0.0
+  np.testing.assert_array_equal(dispatch.sum((2, 3)), 2.0)  # both choices of every token placed
+
+
+def test_balancing_loss_is_one_when_balanced_and_grows_with_skew():
+  cfg = moe_config(num_experts=4, top_k=1)
+  uniform = route(jnp.zeros((1, 8, 4)), jnp.arange(8), cfg)[2]
+  assert float(uniform["moe_balance_loss"]) == pytest.approx(1.0)
+  skewed = route(jnp.zeros((1, 8, 4)).at[..., 0].set(5.0), jnp.arange(8), cfg)[2]
+  assert float(skewed["moe_balance_loss"]) > 3.5  # E * f_0 * P_0 = 4 * 1 * 0.98
+  assert float(skewed["moe_z_loss"]) == pytest.approx(float(jax.nn.logsumexp(jnp.array([5.0, 0, 0, 0]))) ** 2)
+
+
+def router_run(overrides, devices):
+  """Objective, router statistics and gradients, traced as the train step traces them."""
+  _, layout, state, batch = setup(overrides, devices)
+
+  def run(params, batch):
+    with placement(layout):
+      return loss_and_grads(layout, params, batch, 1)
+
+  return jax.device_get(jax.jit(run)(state["params"], batch))
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {"gpt2": router_run({**GPT2_MOE, "mesh.data": 1}, jax.devices()[:1]),
+          "llama": router_run({**LLAMA_MOE, "mesh.data": 1}, jax.devices()[:1])}
+
+
+EXPERT_LAYOUTS = {
+    "expert=2 x data=4": ("gpt2", {"mesh.expert": 2, "mesh.data": 4}),
+    "expert=4 x data=2": ("gpt2", {"mesh.expert": 4, "mesh.data": 2}),
+    "expert=8": ("gpt2", {"mesh.expert": 8, "mesh.data": 1}),
+    "expert=2 x tensor=2 x fsdp data=2": ("gpt2", {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2,
+                                                   "sharding.zero": 3}),
+    "llama every=2, expert=4 x tensor=2": ("llama", {"mesh.expert": 4, "mesh.tensor": 2, "mesh.data": 1}),
+    "llama expert=2 x sequence=2 ring x data=2": ("llama", {"mesh.expert": 2, "mesh.sequence": 2, "mesh.data": 2,
+                                                            "attention.context": "ring"}),
+}
+
+
+@pytest.mark.parametrize("name", EXPERT_LAYOUTS)
+def test_expert_parallel_matches_single_device(name, references):
+  family, layout_overrides = EXPERT_LAYOUTS[name]
+  model_overrides = GPT2_MOE if family == "gpt2" else LLAMA_MOE
+  (loss, stats), grads = router_run({**model_overrides, **layout_overrides}, jax.devices())
+  (ref_loss, ref_stats), ref_grads = references[family]
+  assert ref_stats["moe_dropped"] > 0.05  # drops happen, so agreeing on them is tested
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_array_equal(stats["moe_dropped"], ref_stats["moe_dropped"])  # the same tokens dropped
+  np.testing.assert_allclose(stats["expert_load"], ref_stats["expert_load"], rtol=1e-6)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+def test_expert_parallel_step_dispatches_with_all_to_all():
+  config = tiny_config(**{**GPT2_MOE, "mesh.expert": 4, "mesh.data": 2})
+  layout = plan(config)
+  forward = analysis.collectives(compiled_forward(layout, config), layout.mesh)
+  # Dispatch and combine: two all-to-alls over `expert` per layer, and nothing gathered.
+  assert analysis.count_by(forward, kind="all-to-all", axes=EXPERT, in_loop=True) == 2, (
+      analysis.summary_table(forward))
+  assert analysis.count_by(forward, kind="all-gather") == 0, analysis.summary_table(forward)
+  step = analysis.collectives(compile_train_step(layout, config), layout.mesh)
+  # The backward pass sends the gradients back along the same two routes.
+  assert analysis.count_by(step, kind="all-to-all", axes=EXPERT, in_loop=True) == 4, analysis.summary_table(step)
+
+
+def test_flops_count_active_parameters_only():
+  layout = plan(tiny_config(**GPT2_MOE), jax.devices()[:1])
+  d, f = layout.model.embed_dim, layout.model.mlp_dim
+  dense_layout = plan(tiny_config(), jax.devices()[:1])
+  # Top-2 of 8 experts: each token uses two expert MLPs and the router where the dense model has one MLP.
+  extra = layout.model.num_layers * (2 * d * f + f + d + d * 8)
+  assert active_param_count(layout) == param_count(dense_layout) + extra
+  assert param_count(layout) == param_count(dense_layout) + layout.model.num_layers * (7 * (2 * d * f + f + d) + d * 8)
+
+
+def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
+  common = {**GPT2_MOE, "steps": 4, "log_every": 2, "eval_every": 0, "sample_tokens": 0}
+  runs = {}
+  for name, mesh in {"expert=4": {"mesh.expert": 4, "mesh.data": 2}, "expert=1": {"mesh.data": 8}}.items():
+    train(tiny_config(**common, **mesh, workdir=str(tmp_path / name)))
+    runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+  for sharded, single in zip(runs["expert=4"], runs["expert=1"]):
+    assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    loads = [sharded[f"expert_load/{i}"] for i in range(8)]
+    assert sum(loads) == pytest.approx(1.0, rel=1e-5)
+    assert sharded["moe_balance_loss"] >= 1.0 - 1e-6 and 0 <= sharded["moe_dropped"] < 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"moe.experts": 6, "mesh.expert": 4, "mesh.data": 2}, "moe.experts=6 is not divisible by mesh.expert=4"),
+    ({"moe.experts": 4, "moe.top_k": 5}, "moe.top_k=5 must be between 1 and moe.experts=4"),
+    ({"moe.experts": 4, "moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be positive"),
+    ({"moe.experts": 4, "moe.every": 3}, "moe.every=3 does not divide model.num_layers=2"),
+    ({"moe.experts": 4, "mesh.pipeline": 2, "mesh.data": 4}, "moe.experts=4 with mesh.pipeline=2"),
+])
+def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
+  with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+    plan(tiny_config(**overrides))

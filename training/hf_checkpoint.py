@@ -1,0 +1,242 @@
+"""Hugging Face checkpoint directories in and out: read straight onto the mesh, write for `from_pretrained`.
+
+Import (`--config.init_from=hf:DIR`) reads config.json into `config.model`,
+checks every tensor's name and shape against it, then places each weight with
+`jax.make_array_from_callback`: every device's block is read on its own from
+the memory-mapped safetensors files (safetensors' numpy API reads only the
+slice asked for), so no device ever holds more than its shard, and the host
+at most one weight's distinct blocks at a time. Tensors meshlm does not use
+(GPT-2's stored attention masks, a tied copy of the head) are ignored.
+Which tensor is which weight: training/hf_mapping.py.
+"""
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from model.config import ModelConfig
+from model.transformer import STACKED
+from training import hf_mapping
+from training.state import Layout, model_config
+
+SCHEME = "hf:"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # names the file of each tensor when save_pretrained shards
+
+
+class HFCheckpoint:
+  """A Hugging Face checkpoint directory whose config meshlm can run and whose tensors it has checked."""
+
+  def __init__(self, directory: Path, fields: dict, tied: bool, files: dict, shapes: dict):
+    self.directory, self.fields, self.tied = directory, fields, tied
+    self.files, self.shapes = files, shapes  # tensor name -> its safetensors file, its shape
+
+  def configure(self, config) -> None:
+    """Give `config.model` the checkpoint's shape, and refuse tensors that do not fit it."""
+    for field, value in self.fields.items():
+      config.model[field] = value
+    cfg = model_config(config)
+    for name, shape in _expected_shapes(cfg, self.tied).items():
+      stored = self._stored_name(name)
+      if stored is None:
+        raise ValueError(f"{self.directory} lacks the weight {name}, which its config.json declares.")
+      if self.shapes[stored] != shape:
+        raise ValueError(f"{self.directory} holds {stored} with shape {self.shapes[stored]}, but its "
+                         f"config.json declares {shape}.")
+
+  def describe(self, cfg: ModelConfig) -> str:
+    return (f"{self.directory}: {cfg.family}, {cfg.num_layers} layers, {cfg.num_heads} heads, width "
+            f"{cfg.embed_dim}, vocabulary {cfg.vocab_size} (padded to {cfg.padded_vocab})")
+
+  def load_params(self, layout: Layout) -> dict:
+    """The checkpoint's weights as the params pytree, each array placed in its sharding."""
+    cfg, abstract = layout.model, layout.abstract_state["params"]
+    table = hf_mapping.tensors(cfg, self.tied)
+    paths = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
+    if paths != table.keys():
+      raise ValueError(f"meshlm's {cfg.family} holds weights no Hugging Face tensor maps to: "
+                       f"{sorted(paths ^ table.keys())[:3]}; training/hf_mapping.py needs them.")
+    with contextlib.ExitStack() as stack:
+      opened = {f: stack.enter_context(safe_open(f, framework="np")) for f in set(self.files.values())}
+
+      def read(name: str, index: tuple) -> np.ndarray:
+        stored = self._stored_name(name)
+        return opened[self.files[stored]].get_slice(stored)[index]
+
+      def place(path, leaf, sharding):
+        tensor = table[_path(path)]
+        blocks = {}  # devices holding the same block (replicas) share one read
+
+        def block(index):
+          ranges = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
+          if ranges not in blocks:
+            blocks[ranges] = _leaf_block(read, tensor, ranges, stacked=_path(path)[0] == STACKED,
+                                         vocab=cfg.vocab_size).astype(leaf.dtype)
+          return blocks[ranges]
+
+        return jax.make_array_from_callback(leaf.shape, sharding, block, dtype=leaf.dtype)
+
+      return jax.tree_util.tree_map_with_path(place, abstract, layout.param_shardings)
+
+  def _stored_name(self, name: str) -> str | None:
+    # Checkpoints saved from the base model (the hub's gpt2) drop the `transformer.` / `model.` prefix.
+    if name in self.shapes:
+      return name
+    bare = name.split(".", 1)[1]
+    return bare if bare in self.shapes else None
+
+
+def open_init_from(init_from: str) -> HFCheckpoint | None:
+  """The checkpoint `config.init_from` names, or None for a random start."""
+  if not init_from:
+    return None
+  if not init_from.startswith(SCHEME) or init_from == SCHEME:
+    raise ValueError(f"init_from={init_from!r} is not understood; use hf:<directory> (a Hugging Face "
+                     "checkpoint) or leave it empty for a random start.")
+  return open_checkpoint(init_from[len(SCHEME):])
+
+
+def open_checkpoint(path: str) -> HFCheckpoint:
+  directory = Path(path).expanduser()
+  config_file = directory / "config.json"
+  if not config_file.is_file():
+    raise ValueError(f"{directory} holds no config.json; give a directory written by transformers' "
+                     "save_pretrained.")
+  try:
+    hf = json.loads(config_file.read_text())
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{config_file} is not valid JSON ({error}).") from None
+  fields, tied = hf_mapping.model_fields(hf, str(config_file))
+  files = _tensor_files(directory)
+  shapes = {}
+  for file in sorted(set(files.values())):
+    try:
+      with safe_open(file, framework="np") as f:
+        shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    except (SafetensorError, OSError) as error:
+      raise ValueError(f"{file} cannot be read as safetensors ({error}).") from None
+  return HFCheckpoint(directory, fields, tied, files, shapes)
+
+
+def _tensor_files(directory: Path) -> dict:
+  """Tensor name -> the safetensors file holding it (one file, or several named by the index)."""
+  index = directory / WEIGHTS_INDEX
+  if index.is_file():
+    weight_map = json.loads(index.read_text())["weight_map"]
+    absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+    if absent:
+      raise ValueError(f"{index} names {absent[0]}, which is not in {directory}.")
+    return {name: str(directory / f) for name, f in weight_map.items()}
+  if not (directory / WEIGHTS).is_file():
+    raise ValueError(f"{directory} holds no {WEIGHTS} (pytorch_model.bin is not read: load it in "
+                     "transformers and save_pretrained it again, which writes safetensors).")
+  with safe_open(directory / WEIGHTS, framework="np") as f:
+    return {name: str(directory / WEIGHTS) for name in f.keys()}
+
+
+def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
+  shapes = {}
+  for path, tensor in hf_mapping.tensors(cfg, tied).items():
+    layers = range(cfg.num_layers) if path[0] == STACKED else [None]
+    shapes.update({tensor.name.format(layer=layer): tensor.hf_shape for layer in layers})
+  return shapes
+
+
+def _path(key_path) -> tuple:
+  return tuple(k.key for k in key_path)
+
+
+def _leaf_block(read, tensor: hf_mapping.Tensor, ranges: tuple, *, stacked: bool, vocab: int) -> np.ndarray:
+  """The block `ranges` ((start, stop) per meshlm axis) of one weight; a stacked weight reads layer by layer."""
+  if not stacked:
+    return _layer_block(read, tensor.name, tensor, ranges, vocab)
+  return np.stack([_layer_block(read, tensor.name.format(layer=layer), tensor, ranges[1:], vocab)
+                   for layer in range(*ranges[0])])
+
+
+def _layer_block(read, name: str, tensor: hf_mapping.Tensor, ranges: tuple, vocab: int) -> np.ndarray:
+  """Read the HF rows that cover one layer's block, then reshape, slice and transpose into meshlm's layout."""
+  ranges, padding = list(ranges), 0
+  if tensor.padded_axis is not None:  # rows past the real vocabulary are meshlm's zero padding
+    start, stop = ranges[tensor.padded_axis]
+    real_stop = max(start, min(stop, vocab))
+    ranges[tensor.padded_axis], padding = (start, real_stop), stop - real_stop
+  view_ranges = [None] * len(tensor.perm)
+  for axis, view_axis in enumerate(tensor.perm):
+    view_ranges[view_axis] = ranges[axis]
+  shape = tuple(stop - start for start, stop in ranges)
+  if 0 in shape:
+    block = np.zeros(shape, np.float32)
+  else:
+    # An HF axis split into (a, b, ...) is read as the rows of its outermost part a that the
+    # block needs, in full over b, ...; the inner parts are sliced once it is reshaped.
+    hf_index, view_shape, inner, axis = [], [], [], 0
+    for sizes in tensor.split:
+      (start, stop), rest = view_ranges[axis], math.prod(sizes[1:])
+      hf_index.append(slice(start * rest, stop * rest))
+      view_shape += [stop - start, *sizes[1:]]
+      inner += [slice(None)] + [slice(*r) for r in view_ranges[axis + 1:axis + len(sizes)]]
+      axis += len(sizes)
+    block = read(name, tuple(hf_index)).reshape(view_shape)[tuple(inner)].transpose(tensor.perm)
+  if padding:
+    widths = [(0, padding if axis == tensor.padded_axis else 0) for axis in range(block.ndim)]
+    block = np.pad(block.astype(np.float32), widths)
+  return block
+
+
+def tied_head(cfg: ModelConfig, params: dict) -> bool:
+  """Whether the params' head equals the token embedding (always for GPT-2, whose head is the embedding)."""
+  if cfg.family == "gpt2":
+    return True
+  v = cfg.vocab_size
+  return bool(np.array_equal(params["head"][:, :v], params["embed"][:v].T))
+
+
+def check_new_directory(directory: str) -> Path:
+  """`directory`, resolved, if it does not exist or is empty: export never writes over anything."""
+  target = Path(directory).expanduser().resolve()
+  if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    raise ValueError(f"{target} already exists and is not an empty directory; export writes a new one.")
+  return target
+
+
+def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
+  """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure."""
+  target = check_new_directory(directory)
+  tied = tied_head(cfg, params)
+  hf = {}
+  for path, tensor in hf_mapping.tensors(cfg, tied).items():
+    leaf = params
+    for key in path:
+      leaf = leaf[key]
+    layers = [(layer, leaf[layer]) for layer in range(cfg.num_layers)] if path[0] == STACKED else [(None, leaf)]
+    for layer, array in layers:
+      hf.setdefault(tensor.name.format(layer=layer), _to_hf(tensor, np.asarray(array, np.float32)))
+  target.parent.mkdir(parents=True, exist_ok=True)
+  partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+  try:
+    save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
+    (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied), indent=2) + "\n")
+    os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
+    os.chmod(partial, 0o755)
+    partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+  return target
+
+
+def _to_hf(tensor: hf_mapping.Tensor, array: np.ndarray) -> np.ndarray:
+  """One layer's meshlm array as the HF tensor: drop vocabulary padding, undo the transpose and the split."""
+  if tensor.padded_axis is not None:
+    real = [size for sizes in tensor.split for size in sizes][tensor.perm[tensor.padded_axis]]
+    array = np.take(array, np.arange(real), axis=tensor.padded_axis)
+  return np.ascontiguousarray(array.transpose(np.argsort(tensor.perm)).reshape(tensor.hf_shape))

@@ -1,0 +1,175 @@
+"""Which Hugging Face tensor each meshlm weight is, and how config.json maps to `config.model`.
+
+Conventions bridged here (no I/O; training/hf_checkpoint.py reads and writes):
+- Layout. GPT-2's Conv1D stores (in, out), meshlm's layout, so its weights only
+  reshape; Llama's nn.Linear stores (out, in), so they also transpose.
+- QKV. GPT-2 fuses Q, K and V in `c_attn` as [q | k | v] along the output,
+  exactly meshlm's (embed, 3, heads, head_dim); Llama keeps q/k/v_proj apart,
+  as meshlm's Llama does. Nothing is split or fused in either direction.
+- Rotary. Hugging Face's Llama rotates (first half, second half) pairs of each
+  head (`rotate_half`) with frequencies theta^(-i/half), which is what
+  model/llama.py's `rotary` does, so q/k need no permutation. (The permutation
+  in transformers' convert_llama_weights_to_hf.py turns Meta's interleaved
+  pairs into halves; checkpoints on disk in HF format already have halves.)
+- Vocabulary. meshlm pads the vocabulary to a multiple of 128 with zero rows
+  that the loss masks out; import appends them and export drops them.
+- Tied embeddings. meshlm's GPT-2 ties its head to the token table, so GPT-2's
+  `lm_head` is never stored. meshlm's Llama has its own head: a tied Llama
+  checkpoint fills it from the embedding (the two then train apart), and
+  export writes it tied again while the two are still equal.
+"""
+
+import dataclasses
+import math
+
+from model.config import ModelConfig, NORM_EPS
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One meshlm weight as a Hugging Face tensor: reshape each HF axis into `split`, then transpose by `perm`.
+
+  For a stacked block weight `name` holds `{layer}` and this is one layer's slice.
+  """
+  name: str
+  split: tuple  # per HF axis, the sizes it splits into (an unsplit axis is a 1-tuple)
+  perm: tuple  # meshlm axis i is axis perm[i] of the split view
+  padded_axis: int | None = None  # the meshlm axis padded from vocab_size to padded_vocab
+
+  @property
+  def hf_shape(self) -> tuple:
+    return tuple(math.prod(sizes) for sizes in self.split)
+
+
+def _same(name: str, *shape) -> Tensor:
+  return Tensor(name, tuple((size,) for size in shape), tuple(range(len(shape))))
+
+
+def gpt2_tensors(cfg: ModelConfig) -> dict:
+  d, n, h, f, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  layer = "transformer.h.{layer}."
+  return {
+      ("embed", "tokens"): Tensor("transformer.wte.weight", ((v,), (d,)), (0, 1), padded_axis=0),
+      ("embed", "positions"): _same("transformer.wpe.weight", cfg.max_len, d),
+      ("blocks", "ln_attn", "scale"): _same(layer + "ln_1.weight", d),
+      ("blocks", "ln_attn", "bias"): _same(layer + "ln_1.bias", d),
+      ("blocks", "attn", "qkv_kernel"): Tensor(layer + "attn.c_attn.weight", ((d,), (3, n, h)), (0, 1, 2, 3)),
+      ("blocks", "attn", "qkv_bias"): Tensor(layer + "attn.c_attn.bias", ((3, n, h),), (0, 1, 2)),
+      ("blocks", "attn", "out_kernel"): Tensor(layer + "attn.c_proj.weight", ((n, h), (d,)), (0, 1, 2)),
+      ("blocks", "attn", "out_bias"): _same(layer + "attn.c_proj.bias", d),
+      ("blocks", "ln_mlp", "scale"): _same(layer + "ln_2.weight", d),
+      ("blocks", "ln_mlp", "bias"): _same(layer + "ln_2.bias", d),
+      ("blocks", "mlp", "up_kernel"): _same(layer + "mlp.c_fc.weight", d, f),
+      ("blocks", "mlp", "up_bias"): _same(layer + "mlp.c_fc.bias", f),
+      ("blocks", "mlp", "down_kernel"): _same(layer + "mlp.c_proj.weight", f, d),
+      ("blocks", "mlp", "down_bias"): _same(layer + "mlp.c_proj.bias", d),
+      ("ln_final", "scale"): _same("transformer.ln_f.weight", d),
+      ("ln_final", "bias"): _same("transformer.ln_f.bias", d),
+  }
+
+
+def llama_tensors(cfg: ModelConfig, tied: bool) -> dict:
+  d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                      cfg.vocab_size)
+  layer = "model.layers.{layer}."
+  return {
+      ("embed",): Tensor("model.embed_tokens.weight", ((v,), (d,)), (0, 1), padded_axis=0),
+      ("blocks", "norm_attn", "scale"): _same(layer + "input_layernorm.weight", d),
+      ("blocks", "attn", "q_kernel"): Tensor(layer + "self_attn.q_proj.weight", ((n, h), (d,)), (2, 0, 1)),
+      ("blocks", "attn", "k_kernel"): Tensor(layer + "self_attn.k_proj.weight", ((k, h), (d,)), (2, 0, 1)),
+      ("blocks", "attn", "v_kernel"): Tensor(layer + "self_attn.v_proj.weight", ((k, h), (d,)), (2, 0, 1)),
+      ("blocks", "attn", "out_kernel"): Tensor(layer + "self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0)),
+      ("blocks", "norm_mlp", "scale"): _same(layer + "post_attention_layernorm.weight", d),
+      ("blocks", "mlp", "gate_kernel"): Tensor(layer + "mlp.gate_proj.weight", ((f,), (d,)), (1, 0)),
+      ("blocks", "mlp", "up_kernel"): Tensor(layer + "mlp.up_proj.weight", ((f,), (d,)), (1, 0)),
+      ("blocks", "mlp", "down_kernel"): Tensor(layer + "mlp.down_proj.weight", ((d,), (f,)), (1, 0)),
+      ("norm_final", "scale"): _same("model.norm.weight", d),
+      ("head",): Tensor("model.embed_tokens.weight" if tied else "lm_head.weight", ((v,), (d,)), (1, 0),
+                        padded_axis=1),
+  }
+
+
+def tensors(cfg: ModelConfig, tied: bool) -> dict:
+  """meshlm weight path -> Tensor, for the family of `cfg`."""
+  return gpt2_tensors(cfg) if cfg.family == "gpt2" else llama_tensors(cfg, tied)
+
+
+def model_fields(hf: dict, where: str) -> tuple[dict, bool]:
+  """(`config.model` fields, tied embeddings) from a config.json, or a ValueError naming what meshlm cannot run."""
+  architectures = hf.get("architectures") or []
+  family = next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
+  if family is None:
+    raise ValueError(f"{where} declares architectures {architectures}; meshlm imports "
+                     f"{' and '.join(ARCHITECTURES)} checkpoints.")
+  _refuse(hf, where, _GPT2_REFUSED if family == "gpt2" else _LLAMA_REFUSED)
+  try:
+    if family == "gpt2":
+      return _gpt2_fields(hf), True
+    return _llama_fields(hf, where), bool(hf.get("tie_word_embeddings", False))
+  except KeyError as missing:
+    raise ValueError(f"{where} lacks the field {missing}, which a {architectures[0]} config needs.") from None
+
+
+# (field, its default in transformers, what meshlm computes instead when it differs)
+_GPT2_REFUSED = (
+    ("activation_function", "gelu_new", "only tanh-approximated GELU (gelu_new)"),
+    ("scale_attn_weights", True, "attention scaled by 1/sqrt(head_dim)"),
+    ("scale_attn_by_inverse_layer_idx", False, "no per-layer attention scaling"),
+    ("add_cross_attention", False, "no cross-attention"),
+    ("tie_word_embeddings", True, "a head tied to the token embedding"),
+)
+_LLAMA_REFUSED = (
+    ("hidden_act", "silu", "SwiGLU with silu"),
+    ("attention_bias", False, "no attention biases"),
+    ("mlp_bias", False, "no MLP biases"),
+    ("rope_scaling", None, "unscaled rotary positions"),
+)
+
+
+def _refuse(hf: dict, where: str, refused) -> None:
+  for field, default, meshlm in refused:
+    value = hf.get(field, default)
+    if value != default and not (field == "activation_function" and value in TANH_GELU):
+      raise ValueError(f"{where} sets {field}={value!r}, but meshlm computes {meshlm}.")
+
+
+def _gpt2_fields(hf: dict) -> dict:
+  width = hf["n_embd"]
+  return dict(family="gpt2", num_layers=hf["n_layer"], num_heads=hf["n_head"], kv_heads=0,
+              embed_dim=width, mlp_dim=hf.get("n_inner") or 4 * width, max_len=hf["n_positions"],
+              vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", NORM_EPS["gpt2"]))
+
+
+def _llama_fields(hf: dict, where: str) -> dict:
+  width, heads = hf["hidden_size"], hf["num_attention_heads"]
+  if hf.get("head_dim") not in (None, width // heads):
+    raise ValueError(f"{where} sets head_dim={hf['head_dim']}, but meshlm's heads are "
+                     f"hidden_size / num_attention_heads = {width // heads} wide.")
+  # transformers 5 keeps rotary settings in rope_parameters; earlier versions at the top level.
+  rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+  if rope.get("rope_type", "default") != "default":
+    raise ValueError(f"{where} sets rope_type={rope['rope_type']!r}, but meshlm computes "
+                     "unscaled rotary positions (rope_type 'default').")
+  return dict(family="llama", num_layers=hf["num_hidden_layers"], num_heads=heads,
+              kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
+              mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+              norm_eps=hf.get("rms_norm_eps", NORM_EPS["llama"]), rope_theta=float(rope["rope_theta"]))
+
+
+def hf_config(cfg: ModelConfig, tied: bool) -> dict:
+  """A config.json that transformers builds the same model from, with float32 weights."""
+  if cfg.family == "gpt2":
+    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
+                n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
+                vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
+                tie_word_embeddings=True, dtype="float32")
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+              hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
+              vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
+              hidden_act="silu", rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
+              rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+              tie_word_embeddings=tied, dtype="float32")
