@@ -16,7 +16,10 @@ from training.state import init_state, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
-FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2}}
+FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
+            # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
+            # every=2 caches both layers of each scanned unit.
+            "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2}}
 
 
 def full_forward_logits(layout, params, tokens_T):
@@ -25,7 +28,7 @@ def full_forward_logits(layout, params, tokens_T):
   @jax.jit
   def forward(params, tokens_1T):
     model = nnx.merge(layout.graphdef, params)
-    return model.logits(model.run_blocks(model.embed_tokens(tokens_1T)))
+    return model.predict(tokens_1T)
 
   return np.asarray(forward(jax.device_get(params), tokens_T[None])[0])
 
