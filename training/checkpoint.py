@@ -71,15 +71,6 @@ class Checkpoints:
       raise ValueError(f"checkpoint step {step} in {self.directory} cannot be read "
                        f"({_first_line(error)}); it was left untouched.") from None
 
-  def saved_config(self, step: int) -> dict:
-    """The config a checkpoint was written with, as a plain dict."""
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    except Exception as error:
-      raise ValueError(f"the config of checkpoint step {step} in {self.directory} cannot be read "
-                       f"({_first_line(error)}).") from None
-    return restored["config"]
-
   def wait(self) -> None:
     self._manager.wait_until_finished()
 

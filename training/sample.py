@@ -9,10 +9,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
+from configs.base import base
 from model.kv_cache import forward_cached, init_cache
 from parallel import rules
 from parallel.mesh import DATA, EXPERT
@@ -124,11 +124,12 @@ def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None
     step = steps[-1] if step == -1 else step
     if step not in steps:
       raise ValueError(f"{checkpoints.directory} holds steps {steps}, not {step}.")
-    config = ml_collections.ConfigDict(checkpoints.saved_config(step))
+    config = base()  # fields added since the checkpoint was written keep their defaults
+    config.update(checkpoints.stored_config(step))
     if mesh_sizes:
       config.mesh.update(mesh_sizes)
     layout = plan(config)
-    params = checkpoints.restore(step, abstract_inputs(layout, config)[0])["params"]
+    params = checkpoints.restore_params(step, abstract_inputs(layout, config)[0]["params"])
   finally:
     checkpoints.close()
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
