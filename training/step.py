@@ -118,9 +118,9 @@ def make_train_step(layout: Layout, config):
                  "opt_state": keep_finite(opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
     # `loss` is the cross-entropy, comparable across dense and MoE runs; router figures ride along.
-    metrics = {**stats, "loss": stats.get("cross_entropy", loss), "grad_norm": grad_norm,
-               "lr": schedule(state["step"]), "skipped": new_state["skipped"]}
-    metrics.pop("cross_entropy", None)
+    cross_entropy = stats.pop("cross_entropy", loss)
+    metrics = {**stats, "loss": cross_entropy, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "skipped": new_state["skipped"]}
     if scale is not None:
       new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)
       metrics["loss_scale"] = scale
