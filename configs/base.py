@@ -48,7 +48,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 512
   c.model.max_len = 128  # learned positions; also the training sequence length
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
-  c.model.remat = "none"  # none | full | save_dots
+  c.model.remat = "none"  # none | full | save_dots | save_attention | offload
   c.model.attention = "xla"  # the attention kernel: xla | cudnn (GPU only)
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
@@ -91,7 +91,7 @@ def base() -> ml_collections.ConfigDict:
   c.sharding.zero = 0  # 0: replicated; 1: optimizer state over data; 3: params too (FSDP)
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # adamw | adam | sgd | momentum
+  c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum
   c.optimizer.lr = 1e-3
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95
@@ -99,7 +99,7 @@ def base() -> ml_collections.ConfigDict:
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 0.1
   c.optimizer.decay_embeddings = False
-  c.optimizer.decay_1d = False  # biases and norm scales
+  c.optimizer.decay_1d = False  # biases (whatever their rank) and norm scales
   c.optimizer.clip_norm = 1.0  # global-norm clipping; 0 turns it off
 
   c.schedule = ml_collections.ConfigDict()

@@ -5,7 +5,7 @@ from flax import nnx
 
 from model.attention import SelfAttention
 from model.config import ModelConfig
-from model.layers import INIT_STD, LayerNorm, matmul, param
+from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE, feed_forward
 from model.sharding_hooks import constrain
@@ -32,7 +32,7 @@ class Embed(nnx.Module):
   """Token and learned position embeddings; the token table is tied to the output head."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.tokens = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
+    self.tokens = vocab_param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), cfg.vocab_size)
     self.positions = param(rngs, (cfg.max_len, cfg.embed_dim), (None, "embed"), std=INIT_STD / 2)
 
 

@@ -13,6 +13,19 @@ def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:
   return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, out_sharding=axes)
 
 
+def vocab_param(rngs: nnx.Rngs, shape, axes, vocab_size: int) -> nnx.Param:
+  """param() over the padded vocabulary, zero past vocab_size on the `vocab` axis.
+
+  No token id reaches the padding and the loss masks it, so it never gets a gradient: zero
+  rows stay zero, which is what an exported checkpoint (and its truncation) assumes.
+  """
+  vocab_axis = axes.index("vocab")
+  real = jnp.arange(shape[vocab_axis]) < vocab_size
+  real = real.reshape([-1 if axis == vocab_axis else 1 for axis in range(len(shape))])
+  values = jnp.where(real, jax.random.normal(rngs.params(), shape, jnp.float32) * INIT_STD, 0.0)
+  return nnx.Param(values, out_sharding=axes)
+
+
 def zeros(shape, axes) -> nnx.Param:
   return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes)
 

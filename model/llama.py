@@ -6,7 +6,7 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, ones, param
+from model.layers import INIT_STD, matmul, ones, param, vocab_param
 from model.moe import MoE, feed_forward
 from model.sharding_hooks import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
@@ -98,10 +98,10 @@ class Llama(LanguageModel):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"))
+    self.embed = vocab_param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), cfg.vocab_size)
     self.blocks = stacked(Block, cfg, rngs)
     self.norm_final = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.head = param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"))
+    self.head = vocab_param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), cfg.vocab_size)
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     del positions_T  # rotary embeddings apply them inside attention

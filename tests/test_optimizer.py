@@ -1,8 +1,11 @@
 """Optimizer rules, weight-decay masks and the warmup-cosine schedule."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import tiny_config
@@ -21,25 +24,69 @@ def test_schedule_warms_up_then_decays_to_the_floor():
   np.testing.assert_allclose(float(lr(110)), 0.1, rtol=1e-5)
 
 
-def test_decay_skips_embeddings_and_vectors_unless_asked():
-  config = tiny_config()
-  params = plan(config, jax.devices()[:1]).abstract_state["params"]
+# Every parameter that weight decay touches by default, per family and variant, written out by
+# hand: kernels, MoE routers and Llama's untied head. Biases of any rank (GPT-2's QKV bias is
+# (3, heads, head_dim), an expert's bias (experts, mlp)), norm gains and embeddings are not.
+GPT2_BLOCK_DECAYED = ["attn']['out_kernel", "attn']['qkv_kernel", "mlp']['down_kernel", "mlp']['up_kernel"]
+LLAMA_BLOCK_DECAYED = ["attn']['k_kernel", "attn']['out_kernel", "attn']['q_kernel", "attn']['v_kernel",
+                       "mlp']['down_kernel", "mlp']['gate_kernel", "mlp']['up_kernel"]
+DECAYED = {
+    ("gpt2", "tiny"): {f"['blocks']['{name}']" for name in GPT2_BLOCK_DECAYED},
+    ("gpt2", "moe_tiny"): {f"['blocks']['layers'][0]['{name}']" for name in GPT2_BLOCK_DECAYED + ["mlp']['router"]},
+    ("llama", "tiny"): {f"['blocks']['{name}']" for name in LLAMA_BLOCK_DECAYED} | {"['head']"},
+    ("llama", "moe_tiny"): ({f"['blocks']['layers'][{i}]['{name}']" for i in (0, 1) for name in LLAMA_BLOCK_DECAYED}
+                            | {"['blocks']['layers'][1]['mlp']['router']", "['head']"}),
+}
+
+
+def variant_params(family, variant):
+  config = importlib.import_module(f"configs.{family}").get_config(variant)
+  return config, plan(config, jax.devices()[:1]).abstract_state["params"]
+
+
+@pytest.mark.parametrize("family,variant", list(DECAYED))
+def test_decay_mask_names_every_decayed_parameter(family, variant):
+  config, params = variant_params(family, variant)
   mask = decay_mask(params, config)
-  assert mask["blocks"]["mlp"]["up_kernel"] and mask["blocks"]["attn"]["qkv_kernel"]
-  assert not mask["blocks"]["mlp"]["up_bias"] and not mask["blocks"]["ln_attn"]["scale"]
-  assert not mask["embed"]["tokens"] and not mask["ln_final"]["scale"]
+  decayed = {jax.tree_util.keystr(path) for path, decays in jax.tree_util.tree_leaves_with_path(mask) if decays}
+  assert decayed == DECAYED[family, variant]
   config.optimizer.decay_embeddings, config.optimizer.decay_1d = True, True
   assert all(jax.tree.leaves(decay_mask(params, config)))
 
 
+def test_decay_mask_refuses_a_parameter_of_unknown_kind():
+  with pytest.raises(ValueError, match=r"\['blocks'\]\['gain'\] has no weight-decay kind"):
+    decay_mask({"blocks": {"gain": jnp.ones(3)}}, tiny_config())
+
+
+def test_adamw_shrinks_only_the_decayed_parameters_over_several_steps():
+  # With zero gradients Adam's step is zero, so after n steps AdamW leaves w * (1 - lr * wd)^n
+  # where decay applies and w exactly elsewhere: a QKV bias or expert bias that moved would show.
+  config, abstract = variant_params("gpt2", "moe_tiny")
+  config.optimizer.lr, config.optimizer.weight_decay = 0.1, 0.5
+  config.schedule.warmup_steps, config.schedule.decay = 0, "constant"
+  params = jax.tree.map(lambda leaf: jnp.ones(leaf.shape, leaf.dtype), abstract)
+  tx = make_optimizer(config, params)
+  opt_state, zeros = tx.init(params), jax.tree.map(jnp.zeros_like, params)
+  for _ in range(3):
+    updates, opt_state = tx.update(zeros, opt_state, params)
+    params = optax.apply_updates(params, updates)
+
+  def check(path, leaf, decays):
+    np.testing.assert_allclose(leaf, (1 - 0.1 * 0.5) ** 3 if decays else 1.0, rtol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+  jax.tree_util.tree_map_with_path(check, params, decay_mask(params, config))
+
+
 def update(name, grad, weight, **overrides):
   config = tiny_config(**{"optimizer.name": name, "optimizer.lr": 0.1, "optimizer.weight_decay": 0.5,
-                          "optimizer.clip_norm": 0.0, "optimizer.decay_1d": True,
+                          "optimizer.clip_norm": 0.0,
                           "schedule.warmup_steps": 0, "schedule.decay": "constant", **overrides})
-  params = {"w": jnp.array([weight])}
+  params = {"kernel": jnp.array([weight])}
   tx = make_optimizer(config, params)
-  updates, _ = tx.update({"w": jnp.array([grad])}, tx.init(params), params)
-  return float(updates["w"][0])
+  updates, _ = tx.update({"kernel": jnp.array([grad])}, tx.init(params), params)
+  return float(updates["kernel"][0])
 
 
 def test_adamw_decouples_decay_from_the_adaptive_step():

@@ -15,6 +15,7 @@ import jax
 from parallel import analysis
 from training import data, metrics
 from training.dry_run import abstract_inputs
+from training.in_flight import StepsInFlight
 from training.profiling import StepProfiler, parse_steps
 from training.state import active_param_count, init_state, param_count, plan
 from training.step import make_train_step
@@ -53,14 +54,17 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=config.seed, step=0, batch_size=config.batch_size,
                             seq_len=seq_len, sharding=layout.batch_sharding)
+  in_flight = StepsInFlight()
   for _ in range(warmup):
     state, step_metrics = compiled(state, batch)
+    in_flight.add(step_metrics["loss"])
   jax.block_until_ready(state)
   window_s = []
   for _ in range(windows):
-    started = time.perf_counter()
+    started, in_flight = time.perf_counter(), StepsInFlight()
     for _ in range(steps):
       state, step_metrics = compiled(state, batch)
+      in_flight.add(step_metrics["loss"])
     jax.block_until_ready((state, step_metrics))
     window_s.append((time.perf_counter() - started) / steps)
   _profile(config, compiled, state, batch)

@@ -165,11 +165,14 @@ def hf_config(cfg: ModelConfig, tied: bool) -> dict:
     return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
                 n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
                 vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
+                # meshlm trains without dropout; unwritten, transformers would fill in GPT-2's 0.1.
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
                 tie_word_embeddings=True, dtype="float32")
   return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
-              hidden_act="silu", rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
+              hidden_act="silu", attention_dropout=0.0, attention_bias=False, mlp_bias=False,
+              rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
               tie_word_embeddings=tied, dtype="float32")

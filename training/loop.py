@@ -10,6 +10,7 @@ from parallel import analysis, distributed
 from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
+from training.in_flight import StepsInFlight
 from training.preemption import StopRequests
 from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
@@ -96,6 +97,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
     return float(np.mean(jax.device_get(losses)))
 
   last, interval_start, interval_from = {}, time.perf_counter(), start
+  in_flight = StepsInFlight()
   tokens_per_step = config.batch_size * seq_len
   batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                          batch_size=config.batch_size, seq_len=seq_len,
@@ -108,6 +110,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
       profiler.before(done)
       with profiler.annotate(done):
         state, pending = train_step(state, batch)  # metrics stay on device until a log step
+      in_flight.add(pending["loss"])
       profiler.after(done, state)
       bar.update(1)
       if done % config.log_every == 0 or done == config.steps:
@@ -116,7 +119,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
-                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes, **_router_figures(fetched)}
+                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes, **_optional_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
@@ -148,9 +151,11 @@ def _sample(layout, params, config, tokenizer_name: str) -> str:
   return repr(config.sample_prompt + tokenizer.decode(ids[0]))
 
 
-def _router_figures(fetched: dict) -> dict:
-  """A MoE model's router statistics as scalars; each expert's share of the choices gets its own key."""
-  figures = {key: float(value) for key, value in fetched.items() if key.startswith("moe_")}
+def _optional_figures(fetched: dict) -> dict:
+  """float16's loss scale and a MoE model's router statistics as scalars; each expert's share of
+  the choices gets its own key."""
+  figures = {key: float(value) for key, value in fetched.items()
+             if key.startswith("moe_") or key == "loss_scale"}
   if "expert_load" in fetched:
     figures.update({f"expert_load/{i}": float(share) for i, share in enumerate(fetched["expert_load"])})
   return figures
@@ -159,8 +164,9 @@ def _router_figures(fetched: dict) -> dict:
 def _format(m: dict) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
   skipped = f"  skipped {m['skipped']}" if m["skipped"] else ""
+  scale = f"  loss_scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""
   line = (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-          f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}")
+          f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}{scale}")
   if "moe_balance_loss" in m:
     loads = [value for key, value in m.items() if key.startswith("expert_load/")]
     line += (f"  balance {m['moe_balance_loss']:.3f}  z {m['moe_z_loss']:.2f}  dropped {m['moe_dropped']:.1%}"

@@ -23,21 +23,32 @@ def learning_rate(config) -> optax.Schedule:
   return optax.join_schedules([warmup, after_warmup], [sched.warmup_steps])
 
 
+# What a parameter is, from its name: decay is decided by kind, never by rank, because a
+# bias may be stored with several axes (GPT-2's QKV bias is (3, heads, head_dim), a MoE
+# expert's bias (experts, mlp)) and an embedding table is a matrix.
+MATRIX_NAMES = ("router", "head")  # besides every `*kernel`: the MoE router, Llama's untied LM head
+VECTOR_NAMES = ("scale",)  # besides every `*bias`: norm gains
+
+
+def parameter_kind(path) -> str:
+  """'embedding', 'matrix' or 'vector' for the parameter at tree path `path`; refuses an unknown name."""
+  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+  if keys[0] == "embed":
+    return "embedding"
+  if keys[-1].endswith("kernel") or keys[-1] in MATRIX_NAMES:
+    return "matrix"
+  if keys[-1].endswith("bias") or keys[-1] in VECTOR_NAMES:
+    return "vector"
+  raise ValueError(f"Parameter {jax.tree_util.keystr(path)} has no weight-decay kind; name it "
+                   f"*kernel, *bias or one of {MATRIX_NAMES + VECTOR_NAMES}, or extend "
+                   "training/optimizer.py's names.")
+
+
 def decay_mask(params, config):
-  """True where weight decay applies: matrices, but not embeddings or 1-D weights unless asked.
-
-  A stacked block's leading `layers` axis does not count as a dimension.
-  """
+  """True where weight decay applies: matrices always, embeddings and vectors (biases, gains) if asked."""
   opt = config.optimizer
-
-  def decays(path, leaf):
-    keys = [getattr(k, "key", None) for k in path]
-    ndim = len(leaf.shape) - (keys[0] == "blocks")
-    if keys[0] == "embed":
-      return opt.decay_embeddings
-    return ndim >= 2 or opt.decay_1d
-
-  return jax.tree_util.tree_map_with_path(decays, params)
+  decays = {"matrix": True, "embedding": opt.decay_embeddings, "vector": opt.decay_1d}
+  return jax.tree_util.tree_map_with_path(lambda path, _: decays[parameter_kind(path)], params)
 
 
 def make_optimizer(config, params) -> optax.GradientTransformation:
