@@ -71,15 +71,27 @@ def test_nonfinite_updates_are_skipped_and_counted(tmp_path):
   assert last["skipped"] > 0 and last["step"] == 10
 
 
-def test_nonfinite_stop_saves_the_last_good_state(tmp_path):
-  config = config_for(tmp_path, **{"optimizer.lr": 1e9, "schedule.warmup_steps": 0,
+# 1e9 blows the weights up so that a later loss is not finite; NaN makes only the update NaN
+# (loss and gradient stay finite), which once reached the weights and the checkpoint.
+@pytest.mark.parametrize("lr", [1e9, float("nan")])
+def test_nonfinite_stop_saves_the_last_good_state(tmp_path, lr):
+  config = config_for(tmp_path, **{"optimizer.lr": lr, "schedule.warmup_steps": 0,
                                    "optimizer.clip_norm": 0.0, "nonfinite": "stop"})
-  with pytest.raises(ValueError, match="non-finite loss or gradient .* last good state is saved"):
+  with pytest.raises(ValueError, match="non-finite loss, gradient or update .* last good state is saved"):
     train(config)
   checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
   state = checkpoints.restore(checkpoints.steps()[-1], abstract_inputs(plan(config), config)[0])
   checkpoints.close()
-  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+  floats = [x for x in jax.tree.leaves((state["params"], state["opt_state"])) if x.dtype.kind == "f"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in floats)
+
+
+def test_keep_below_one_is_refused_before_anything_is_written(tmp_path):
+  train(config_for(tmp_path, steps=5))
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=r"^checkpoint.keep=0 would keep no checkpoint"):
+    train(config_for(tmp_path, **{"steps": 10, "checkpoint.keep": 0}))
+  assert snapshot(tmp_path) == before
 
 
 def start_train(workdir, *flags):

@@ -17,6 +17,10 @@ class Checkpoints:
   """The checkpoints of one workdir."""
 
   def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all
+    if keep is not None and keep < 1:
+      # orbax reads max_to_keep=0 as "keep none" and deletes every checkpoint, old ones included.
+      raise ValueError(f"checkpoint.keep={keep} would keep no checkpoint; give 1 or more "
+                       "(the newest k are kept).")
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,

@@ -125,8 +125,8 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
         interval_start, interval_from = time.perf_counter(), done
         if last["skipped"] and config.nonfinite == "stop":
           checkpoints.save_now(done, state, config)
-          raise ValueError(f"step {done}: {last['skipped']} update(s) had a non-finite loss or "
-                           f"gradient and were not applied; the last good state is saved as step "
+          raise ValueError(f"step {done}: {last['skipped']} update(s) had a non-finite loss, gradient "
+                           f"or update and were not applied; the last good state is saved as step "
                            f"{done}. Lower optimizer.lr or set nonfinite=skip.")
       if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
         last["eval_loss"] = evaluate(state["params"])

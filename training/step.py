@@ -95,6 +95,12 @@ def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
   return jax.tree.map(lambda x: x / grad_accum, (loss_stats, grad_sum))
 
 
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point leaf of `tree` is finite everywhere (a scalar bool)."""
+  checks = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+  return jnp.logical_and.reduce(jnp.stack(checks)) if checks else jnp.bool_(True)
+
+
 def make_train_step(layout: Layout, config):
   """The jitted step with explicit shardings for every leaf; the incoming state is donated."""
   schedule = learning_rate(config)
@@ -109,10 +115,11 @@ def make_train_step(layout: Layout, config):
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    # A non-finite loss or gradient never reaches the weights: the update is
-    # dropped and counted, and the loop applies config.nonfinite to the count.
-    # Under float16 this is also the loss scaler's overflow skip.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # Nothing non-finite ever reaches the state: a step whose loss, gradient, new weights or new
+    # moments are not all finite (a NaN learning rate makes only the update NaN; a huge gradient
+    # can overflow v alone) is dropped and counted, and the loop applies config.nonfinite to the
+    # count. Under float16 this is also the loss scaler's overflow skip.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
     keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
                  "opt_state": keep_finite(opt_state, state["opt_state"]),
