@@ -84,6 +84,17 @@ def test_nonfinite_stop_saves_the_last_good_state(tmp_path, lr):
   checkpoints.close()
   floats = [x for x in jax.tree.leaves((state["params"], state["opt_state"])) if x.dtype.kind == "f"]
   assert all(np.isfinite(np.asarray(x)).all() for x in floats)
+  for line in (tmp_path / "metrics.jsonl").read_text().splitlines():  # strict JSON: no bare NaN
+    json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl: {line}"))
+
+
+def test_a_fresh_start_trims_old_records_and_a_torn_last_line(tmp_path):
+  # What a run killed before its first checkpoint leaves: records past step 0, the last one torn.
+  records = [json.dumps({"step": step, "loss": 5.0}) for step in range(1, 13)]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 13, "lo')
+  train(config_for(tmp_path, **{"steps": 2, "log_every": 1}))
+  logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert logged == [1, 2]
 
 
 def test_keep_below_one_is_refused_before_anything_is_written(tmp_path):

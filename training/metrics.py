@@ -1,6 +1,7 @@
 """Throughput and model-FLOPs utilisation, and where logged metrics go (console, JSONL, TensorBoard)."""
 
 import json
+import math
 import os
 
 import jax
@@ -48,8 +49,7 @@ class MetricsWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
-    if after_step:
-      _drop_records_after(path, after_step)
+    _drop_records_after(path, after_step)  # a fresh start (0) too: a crash may predate any checkpoint
     self._jsonl = open(path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -57,7 +57,9 @@ class MetricsWriter:
   def write(self, step: int, metrics: dict) -> None:
     if not self.active:
       return
-    self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+    # Strict JSON has no NaN or Infinity: a non-finite figure is written as null.
+    strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    self._jsonl.write(json.dumps({"step": step, **strict}, allow_nan=False) + "\n")
     self._jsonl.flush()
     for key, value in metrics.items():
       if value is not None:
@@ -76,11 +78,27 @@ class MetricsWriter:
 
 
 def _drop_records_after(path: str, step: int) -> None:
-  """A resumed run recomputes the steps after its checkpoint; their old records give way."""
+  """A resumed run recomputes the steps after its checkpoint; their old records give way.
+
+  A torn last line (a crash mid-write) is dropped; a damaged line elsewhere is refused by number.
+  """
   if not os.path.exists(path):
     return
   with open(path) as f:
-    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    lines = f.read().splitlines()
+  kept = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      if number == len(lines):
+        break
+      raise ValueError(f"{path} line {number} is not JSON ({line[:40]!r}); repair or delete that "
+                       "line, then run again.") from None
+    if record["step"] <= step:
+      kept.append(line + "\n")
   with open(path + ".tmp", "w") as f:
     f.writelines(kept)
   os.replace(path + ".tmp", path)
