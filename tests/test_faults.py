@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,6 +63,37 @@ def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
   with pytest.raises(ValueError, match="checkpoint step 10 .* cannot be read"):
     train(config_for(tmp_path, steps=20))
   assert snapshot(tmp_path) == before
+
+
+def test_a_damaged_checkpoint_is_refused_and_resuming_before_it_sets_it_aside(tmp_path):
+  config = config_for(tmp_path)
+  train(config)
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  state = checkpoints.restore(10, abstract_inputs(plan(config), config)[0])
+  state["params"]["ln_final"]["scale"] = state["params"]["ln_final"]["scale"] * np.nan
+  checkpoints.save_now(15, state, config)  # what bit rot in a data file restores to
+  checkpoints.close()
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=r"^checkpoint step 15 .* non-finite .* --config.resume=10\.$"):
+    train(config_for(tmp_path, steps=20))
+  assert snapshot(tmp_path) == before
+  # Resuming from 10 moves 15 out of rotation (kept), so the new 15 and 20 are this run's own.
+  train(config_for(tmp_path, steps=20, resume="10"))
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "15", "20"]
+  assert [p.name for p in (tmp_path / "checkpoints_set_aside").glob("*/*")] == ["15"]
+
+
+def test_a_second_run_in_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+  lock = tmp_path / "run.lock"
+  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live holder
+  with pytest.raises(ValueError, match=rf"^{tmp_path} is in use by the run of pid {os.getpid()} on "):
+    train(config_for(tmp_path, steps=2))
+  assert not (tmp_path / "checkpoints").exists()
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid}))  # its process is gone
+  assert train(config_for(tmp_path, steps=2))["step"] == 2
+  assert not lock.exists()
 
 
 def test_nonfinite_updates_are_skipped_and_counted(tmp_path):

@@ -7,6 +7,7 @@ the config. Orbax writes each step into a temporary folder and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint readable.
 """
 
+import time
 from pathlib import Path
 
 import jax
@@ -31,6 +32,17 @@ class Checkpoints:
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
+
+  def set_aside_after(self, step: int) -> tuple[list[int], Path]:
+    """Moves the checkpoints after `step` out of rotation; returns their steps and where they went."""
+    later = [s for s in self.steps() if s > step]
+    folder = self.directory.parent / "checkpoints_set_aside" / time.strftime("%Y%m%d-%H%M%S")
+    for s in later:
+      folder.mkdir(parents=True, exist_ok=True)
+      (self.directory / str(s)).rename(folder / str(s))
+    if later:
+      self._manager.reload()
+    return later, folder
 
   def save(self, step: int, state, config, *, force: bool = False) -> None:
     """Start an async save when `step` is due (or forced); returns once the arrays are copied."""

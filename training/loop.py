@@ -1,5 +1,6 @@
 """The training loop: plan the layout, resume or initialise, step, log, evaluate, checkpoint, sample."""
 
+import contextlib
 import time
 
 import jax
@@ -15,8 +16,9 @@ from training.preemption import StopRequests
 from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
-from training.step import make_eval_step, make_train_step
+from training.step import all_finite, make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
+from training.workdir_lock import WorkdirLock
 
 SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 
@@ -43,19 +45,37 @@ def train(config, dry_run: bool = False) -> dict:
     return {"report": text}
 
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
-  start = _resume_step(checkpoints, config.resume)
-  if start is None and pretrained is not None:
-    _log(f"initialising from {pretrained.describe(layout.model)}")
-    state = state_from_params(layout, pretrained.load_params(layout))
-  elif start is None:
-    state = init_state(layout, config.seed)
-  else:
-    state = checkpoints.restore(start, abstract_inputs(layout, config)[0])
-    _log(f"resuming from step {start} in {checkpoints.directory}")
+  lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
-    return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split)
+    with lock:
+      start = _resume_step(checkpoints, config.resume)
+      if start is None and pretrained is not None:
+        _log(f"initialising from {pretrained.describe(layout.model)}")
+        state = state_from_params(layout, pretrained.load_params(layout))
+      elif start is None:
+        state = init_state(layout, config.seed)
+      else:
+        state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
+        _log(f"resuming from step {start} in {checkpoints.directory}")
+      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split)
   finally:
     checkpoints.close()
+
+
+def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
+  """Restores `step`, refusing a damaged one; later checkpoints (another timeline) are set aside."""
+  state = checkpoints.restore(step, abstract_state)
+  if not bool(jax.jit(all_finite)(state)):
+    earlier = [s for s in checkpoints.steps() if s < step]
+    hint = f"--config.resume={earlier[-1]}" if earlier else "another --config.workdir"
+    raise ValueError(f"checkpoint step {step} in {checkpoints.directory} holds non-finite values, so it "
+                     f"is damaged; it was left untouched: resume from an earlier one with {hint}.")
+  # Left in place, a later step would never be rewritten (its number is taken) and would outlive
+  # the good checkpoints in rotation; moved aside, it is kept but out of this run's way.
+  moved, folder = checkpoints.set_aside_after(step)
+  if moved:
+    _log(f"moved checkpoints {moved} (after step {step}) to {folder}")
+  return state
 
 
 def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
