@@ -1,6 +1,7 @@
 """Tests for training/data.py, training/tokenizer.py and tools/prepare.py."""
 
 import os
+import re
 
 # Eight simulated CPU devices, set before jax is imported (a conftest.py may set it first).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -259,3 +260,17 @@ def test_gpt2_tokenizer_and_prepare_with_a_stand_in_encoding(monkeypatch, tmp_pa
 def test_unknown_tokenizer_is_refused():
   with pytest.raises(ValueError, match="Unknown tokenizer 'bpe'"):
     tokenizer.load_tokenizer("bpe")
+
+
+def test_ids_outside_the_vocabulary_are_refused_by_offset(tmp_path):
+  with pytest.raises(ValueError, match=r"^token id 256 in the tokenizer's output at token 3 of .* outside "
+                                       r"the vocabulary \[0, 256\)"):
+    token_files.write_token_folder(tmp_path / "out", [np.array([1, 2]), np.array([3, 256, 300])],
+                                   tokenizer="byte", vocab_size=256, val_fraction=0.1)
+  assert not (tmp_path / "out" / "meta.json").exists()
+  tokens = np.arange(200, 1000, dtype=np.uint16)  # what a folder written with another tokenizer holds
+  split = data.TokenSplit("train", tokens, 256, "byte", "folder")
+  with pytest.raises(ValueError, match=r"^token id \d+ in folder/train.bin at token \d+ is outside") as refused:
+    rows(split, step=0)
+  bad_id, offset = map(int, re.findall(r"\d+", str(refused.value))[:2])
+  assert bad_id >= 256 and tokens[offset] == bad_id  # the offset points at the id it names

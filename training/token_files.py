@@ -21,6 +21,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
   return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
+def check_ids(ids: np.ndarray, vocab_size: int, *, where: str, first: int = 0) -> None:
+  """Refuses ids outside [0, vocab_size), naming the first one; `where` formats its offset."""
+  bad = np.flatnonzero((ids < 0) | (ids >= vocab_size)) if len(ids) else []
+  if len(bad):
+    raise ValueError(f"token id {int(ids[bad[0]])} in {where.format(first + int(bad[0]))} is outside the "
+                     f"vocabulary [0, {vocab_size}); re-tokenize with the tokenizer meta.json names.")
+
+
 def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
                        val_fraction: float, extra_meta: dict | None = None) -> dict:
   """Streams token chunks into train.bin / val.bin / meta.json; returns the meta."""
@@ -35,7 +43,9 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
     total = 0
     with open(temps["train.bin"], "wb") as out:
       for chunk in token_chunks:
-        out.write(np.asarray(chunk).astype(dtype).tobytes())
+        chunk = np.asarray(chunk)
+        check_ids(chunk, vocab_size, where=f"the tokenizer's output at token {{}} of {folder}", first=total)
+        out.write(chunk.astype(dtype).tobytes())
         total += len(chunk)
     val_tokens = int(round(total * val_fraction))
     train_tokens = total - val_tokens
