@@ -132,7 +132,7 @@ def test_a_fresh_start_trims_old_records_and_a_torn_last_line(tmp_path):
 def test_keep_below_one_is_refused_before_anything_is_written(tmp_path):
   train(config_for(tmp_path, steps=5))
   before = snapshot(tmp_path)
-  with pytest.raises(ValueError, match=r"^checkpoint.keep=0 would keep no checkpoint"):
+  with pytest.raises(ValueError, match=r"^checkpoint.keep=0 must be an integer of at least 1: .* delete them all"):
     train(config_for(tmp_path, **{"steps": 10, "checkpoint.keep": 0}))
   assert snapshot(tmp_path) == before
 

@@ -17,11 +17,7 @@ import orbax.checkpoint as ocp
 class Checkpoints:
   """The checkpoints of one workdir."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all
-    if keep is not None and keep < 1:
-      # orbax reads max_to_keep=0 as "keep none" and deletes every checkpoint, old ones included.
-      raise ValueError(f"checkpoint.keep={keep} would keep no checkpoint; give 1 or more "
-                       "(the newest k are kept).")
+  def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all; >= 1 (validate.py)
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
@@ -64,8 +60,12 @@ class Checkpoints:
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
     _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
-    return self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+    restored = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"])
+    import jax.numpy as jnp
+    restored["opt_state"] = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                         restored["opt_state"])
+    return restored
 
   def stored_config(self, step: int) -> dict:
     """The run config saved with `step`, as a plain dict."""

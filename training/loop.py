@@ -18,6 +18,7 @@ from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step, make_train_step
 from training.tokenizer import load_tokenizer
+from training.validate import check_run
 from training.workdir_lock import WorkdirLock
 
 SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
@@ -29,11 +30,10 @@ def train(config, dry_run: bool = False) -> dict:
   pretrained = hf_checkpoint.open_init_from(config.init_from)
   if pretrained is not None:
     pretrained.configure(config)  # the checkpoint decides the model's shape
+  check_run(config)
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
-  if config.nonfinite not in ("skip", "stop"):
-    raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use skip or stop.")
   if config.sample_tokens:
     prompt = encode_prompt(load_tokenizer(train_split.tokenizer), config.sample_prompt)
     check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,

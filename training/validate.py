@@ -1,0 +1,73 @@
+"""Run-level settings checked in one place, before anything is compiled or written.
+
+The model's shape and the mesh are checked by plan() (model/config.py, parallel/checks.py); this
+module covers what only the training run uses. Each bad value gets one sentence naming the field,
+the value and what would work.
+"""
+
+import math
+import os
+from pathlib import Path
+
+from parallel.schedules import SCHEDULES
+
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+def _at_least(config, field: str, low: int, why: str = "") -> None:
+  value = _get(config, field)
+  if not isinstance(value, int) or value < low:
+    raise ValueError(f"{field}={value!r} must be an integer of at least {low}{why}.")
+
+
+def _finite_non_negative(config, field: str, what: str) -> None:
+  value = _get(config, field)
+  if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+    raise ValueError(f"{field}={value!r} must be a finite number >= 0 ({what}).")
+
+
+def _get(config, field: str):
+  node = config
+  for key in field.split("."):
+    node = node[key]
+  return node
+
+
+def check_run(config) -> None:
+  """Refuses the first bad run setting in one sentence."""
+  _at_least(config, "steps", 1)
+  _at_least(config, "batch_size", 1)
+  _at_least(config, "grad_accum", 1)
+  _at_least(config, "log_every", 1)
+  _at_least(config, "eval_every", 0, " (0 turns evaluation off)")
+  if config.eval_every:
+    _at_least(config, "eval_batches", 1, " while eval_every is on")
+  _at_least(config, "sample_tokens", 0, " (0 skips the closing sample)")
+  _at_least(config, "data.prefetch", 0, " (0 builds each batch when it is needed)")
+  _at_least(config, "checkpoint.every", 0, " (0 saves only the last step)")
+  _at_least(config, "checkpoint.keep", 1, ": the newest k checkpoints are kept, and 0 would delete them all")
+  for field in ("model.num_layers", "model.num_heads", "model.vocab_size", "model.max_len",
+                "model.embed_dim", "model.mlp_dim"):
+    _at_least(config, field, 1)
+  _finite_non_negative(config, "optimizer.lr", "the peak learning rate")
+  _finite_non_negative(config, "optimizer.clip_norm", "0 turns clipping off")
+  _finite_non_negative(config, "optimizer.weight_decay", "0 turns decay off")
+  if config.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use {' or '.join(NONFINITE_POLICIES)}.")
+  # Checked whatever mesh.pipeline is: a typo should not wait for the day pipelining is turned on.
+  if config.pipeline.schedule not in SCHEDULES:
+    raise ValueError(f"pipeline.schedule={config.pipeline.schedule!r} is unknown; use one of "
+                     f"{', '.join(SCHEDULES)}.")
+  _check_workdir(config.workdir)
+
+
+def _check_workdir(workdir: str) -> None:
+  if not workdir.strip():
+    raise ValueError("workdir is empty; give --config.workdir=DIR, a folder for checkpoints and logs.")
+  path = Path(workdir).expanduser()
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"workdir={workdir!r} is a file, not a folder; choose another --config.workdir.")
+  existing = next(p for p in (path, *path.parents) if p.exists())  # the folder it will be made in
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir={workdir!r} cannot be written ({existing} is not writable); choose "
+                     "another --config.workdir.")
