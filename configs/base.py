@@ -84,7 +84,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved; used when mesh.pipeline > 1
-  c.pipeline.microbatches = 4  # M: the bubble is (P - 1) / (M + P - 1)
+  c.pipeline.microbatches = 4  # M: bubble/total is (P - 1) / (M + P - 1), bubble/ideal (P - 1) / M
   c.pipeline.virtual_stages = 2  # V: layer chunks per device for `interleaved`
 
   c.sharding = ml_collections.ConfigDict()

@@ -16,8 +16,6 @@ tables printed are the schedule the code runs.
   (M + P - 1) forward and (M + P - 1) backward slot-times: GPipe's bubble.
 """
 
-import numpy as np
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -89,6 +87,15 @@ def idle_fraction(schedule: str, *, stages: int, micro: int, virtual: int = 1) -
   return 1 - busy / (stages * duration)
 
 
-def textbook_bubble(*, stages: int, micro: int, virtual: int = 1) -> float:
-  """(P - 1) / (M + P - 1), divided by V for the interleaved schedule."""
-  return (stages - 1) / (micro + stages - 1) / virtual
+def bubble_over_total(*, stages: int, micro: int, virtual: int = 1) -> float:
+  """Idle over total stage-time, (P - 1) / (VM + P - 1): each schedule's idle_fraction (interleaved: P | M)."""
+  return (stages - 1) / (virtual * micro + stages - 1)
+
+
+def bubble_over_ideal(*, stages: int, micro: int, virtual: int = 1) -> float:
+  """Idle time over the ideal (all-busy) time, (P - 1) / (VM): Megatron-LM's bubble fraction.
+
+  Narayanan et al. (2021) divide the idle time by the ideal time, not by the
+  total, so their figure is above bubble_over_total's: 3/32 against 3/35 at P=4, M=32.
+  """
+  return (stages - 1) / (virtual * micro)

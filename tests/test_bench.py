@@ -1,6 +1,5 @@
 """tools/bench.py end to end on the tiny model, with peers; its search, specs, presets and layouts."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,14 +14,16 @@ from training.state import plan
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Peers for a machine without the real ones: a plain-JAX peer that prints the
-# real script's JSON line (tokens/s fixed, so the ratio is checkable) and a
-# torch peer whose import fails, as on a machine without torch.
+# real script's JSON line for its tiny GPT-2 (2 x 4 x 128, vocabulary 50,257 padded
+# to 50,304, position embeddings not counted; tokens/s fixed, so the ratio is
+# checkable) and a torch peer whose import fails, as on a machine without torch.
 JAX_PEER = """
     import json, sys
     size, batch = sys.argv[1].split(":")
-    print(json.dumps(dict(peer="plain-jax", size=size, params=437760, batch=int(batch), seq=32,
+    print(json.dumps(dict(peer="plain-jax", size=size, params=6835712, batch=int(batch), seq=32,
                           step_s=0.5, tok_s=int(batch) * 32 * 2, mfu_989=0.0, warm_s=1.0, peak_mem_gib=0.0)))
 """
+BYTE_TINY, BPE_TINY = "configs/gpt2.py:tiny", "configs/gpt2.py:tiny,model.vocab_size=50257"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def cli_run(tmp_path_factory):
   (peers / "torch_gpt2.py").write_text("import torch_is_not_installed_here\n")
   out = folder / "bench.jsonl"
   result = subprocess.run(
-      [sys.executable, "tools/bench.py", "--config=configs/gpt2.py:tiny",
-       "--config=configs/gpt2.py:tiny,model.num_layers=1", "--config.mesh.data=4", "--config.mesh.tensor=2",
+      [sys.executable, "tools/bench.py", f"--config={BYTE_TINY}", f"--config={BPE_TINY}",
+       "--config.mesh.data=4", "--config.mesh.tensor=2",
        "--batch=8", "--seq_len=32", "--steps=2", "--warmup=1", "--windows=1", f"--peers={peers}", f"--out={out}",
        "--config.profile_steps=1,2", f"--config.workdir={folder / 'work'}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -46,25 +47,50 @@ def cli_run(tmp_path_factory):
 def test_json_lines_hold_sane_numbers(cli_run):
   _, records, _ = cli_run
   ours = [r for r in records if r["kind"] == "meshlm"]
-  assert [r["config"] for r in ours] == ["configs/gpt2.py:tiny", "configs/gpt2.py:tiny,model.num_layers=1"]
+  assert [r["config"] for r in ours] == [BYTE_TINY, BPE_TINY]
   for r in ours:
     assert "error" not in r, r
     assert r["batch"] == 8 and r["seq"] == 32 and r["mesh"] == {"data": 4, "tensor": 2}
     assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["compile_s"] > 0 and r["peak_mem_gib"] > 0
     assert r["mfu"] is None  # a CPU's peak is unknown
-  assert ours[1]["params"] < ours[0]["params"]
-  assert ours[0]["peer_size"] == "tiny" and ours[1]["peer_size"] is None  # one layer is no peer's shape
+  assert ours[0]["params"] < 500_000 < 6_800_000 < ours[1]["params"]  # 256 against 50,304 embedding rows
+  # The peers' tiny has GPT-2's vocabulary: meshlm's byte-level tiny is not its shape, and the record says so.
+  assert ours[0]["peer_size"] is None and "vocabulary 256" in ours[0]["no_peer"]
+  assert ours[1]["peer_size"] == "tiny" and "no_peer" not in ours[1]
 
 
-def test_peers_ratio_and_unavailable(cli_run):
+def equal_batch_cells(stdout: str, config: str) -> dict:
+  """The equal-batch table's row for `config`, as {column: cell}."""
+  lines = stdout[stdout.index("### Every run"):].splitlines()
+  header = next(line for line in lines if line.startswith("| config |"))
+  row = next(line for line in lines if line.startswith(f"| {config} |"))
+  cells = lambda line: [cell.strip() for cell in line.strip().strip("|").split("|")]
+  return dict(zip(cells(header), cells(row)))
+
+
+def test_peers_ratio_only_at_equal_shapes(cli_run):
   stdout, records, _ = cli_run
   peer = {r["peer"]: r for r in records if r["kind"] == "peer"}
   assert peer["plain-jax"]["tokens_per_s"] == 8 * 32 * 2 and peer["plain-jax"]["size"] == "tiny"
   assert "torch_is_not_installed_here" in peer["torch.compile"]["unavailable"]
-  ours = records[0]
-  row = next(line for line in stdout.splitlines() if line.startswith("| configs/gpt2.py:tiny |"))
-  assert f"{ours['tokens_per_s'] / 512:.2f}x" in row and "1.00x" in row
   assert "unavailable: ModuleNotFoundError" in stdout
+  byte, bpe = (r for r in records if r["kind"] == "meshlm")
+  assert equal_batch_cells(stdout, BPE_TINY)["vs plain-jax"] == f"{bpe['tokens_per_s'] / 512:.2f}x"
+  # 446K parameters and 256 tokens against the peer's 6.8M and 50,257: the reason, never a ratio.
+  byte_cells = equal_batch_cells(stdout, BYTE_TINY)
+  assert byte_cells["vs plain-jax"] == "no peer of this shape" and byte_cells[f"vs {BYTE_TINY}"] == "1.00x"
+  assert f"- {BYTE_TINY}: {byte['no_peer']}" in stdout
+
+
+def test_peer_ratio_needs_the_same_sequence_and_parameters():
+  ours = {"kind": "meshlm", "config": "c", "batch": 8, "seq": 64, "preset": "default", "peer_size": "tiny",
+          "params": 6_840_000, "tokens_per_s": 900.0, "step_s": 1.0, "compute": "float32", "attention": "xla"}
+  peer = {"kind": "peer", "peer": "plain-jax", "size": "tiny", "batch": 8, "seq": 64, "params": 6_835_712,
+          "tokens_per_s": 300.0, "step_s": 1.0}
+  assert equal_batch_cells(bench_report.tables([ours, peer]), "c")["vs plain-jax"] == "3.00x"
+  for changed, why in [({"seq": 1024}, "seq 1024 (ours 64)"), ({"params": 124_000_000}, "124.0M params")]:
+    cell = equal_batch_cells(bench_report.tables([ours, {**peer, **changed}]), "c")["vs plain-jax"]
+    assert cell == f"no ratio: peer ran {why}" or cell.startswith(f"no ratio: peer ran {why} "), cell
 
 
 def test_report_redraws_the_tables(cli_run):

@@ -12,7 +12,8 @@ earlier batch ran out of memory. Each prints one JSON line; the tables follow.
 `--config` may repeat, each `FILE:VARIANT` optionally followed by
 `,field=value` overrides of its own; `--config.<field>=<value>` applies to all.
 Ratios compare tokens/s with the first config's at the same batch and preset,
-and with each peer at the same size and batch.
+and with each peer at the same shape, sequence and batch; a config no peer
+matches (meshlm's byte-level tiny, say) gets the reason instead of a ratio.
 """
 
 import json
@@ -74,24 +75,31 @@ class Bench:
                                                       timeout_s=_TIMEOUT.value, env=child_env("default"))})
 
 
+def peer_fields(model) -> dict:
+  """The records' peer size; with --peers and no peer of this shape, also why, which the tables print."""
+  size = peers.peer_size(model)
+  return {"peer_size": size, **({"no_peer": peers.why_no_peer(model)} if _PEERS.value and not size else {})}
+
+
 def run_configs(bench: Bench, overrides: list[tuple[str, str]]) -> None:
   seq_len = _SEQ_LEN.value or 1024
   plans = []
   for spec in _CONFIGS.value:  # every config is checked before anything runs
     config = build_config(spec, overrides, batch=None, seq_len=seq_len)
     batches = [int(b) for b in _BATCH.value] or [config.batch_size]
-    plans.append((spec, peers.peer_size(config.model), batches))
+    plans.append((spec, peer_fields(config.model), batches))
   timing = {"steps": _STEPS.value, "warmup": _WARMUP.value, "windows": _WINDOWS.value}
   for preset in _PRESETS.value:
-    for spec, size, batches in plans:
-      run = {"config": spec, "overrides": overrides, "seq": seq_len, "preset": preset, "peer_size": size, **timing}
+    for spec, peer, batches in plans:
+      run = {"config": spec, "overrides": overrides, "seq": seq_len, "preset": preset, **peer, **timing}
       for first in batches:
         searched(lambda b, run=run: bench.ours({**run, "batch": b}, child_env(run["preset"])),
                  batch_sizes(first, _BEST.value, _MAX_BATCH.value))
   if not _PEERS.value:
     return
   # Each peer once per GPT-2 size and first batch, however many configs or presets share them.
-  for size, first in sorted({(size, first) for _, size, batches in plans if size for first in batches}):
+  sizes = {(peer["peer_size"], first) for _, peer, batches in plans if peer["peer_size"] for first in batches}
+  for size, first in sorted(sizes):
     for name in peers.SCRIPTS:
       searched(lambda b, name=name, size=size: bench.peer(name, size, b),
                batch_sizes(first, _BEST.value, _MAX_BATCH.value))

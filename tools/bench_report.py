@@ -23,8 +23,10 @@ def tables(records: list[dict]) -> str:
     best = _best_batch(ours, peers)
     if best:
       parts += ["### Best batch that fits", best]
-  if peers:
-    parts += ["### Peers", _peers(peers)]
+  unmatched = _unmatched(ours)
+  if peers or unmatched:
+    parts += ["### Peers (ratios only where a peer ran the same shape: sequence, parameters within 5%)",
+              *filter(None, [_peers(peers) if peers else "", unmatched])]
   if layouts:
     parts += ["### Parallel layouts (step time / single-device step time)", _layouts(layouts)]
   return "\n\n".join(parts)
@@ -51,15 +53,29 @@ def _num(value, fmt: str) -> str:
   return "" if value is None else format(value, fmt)
 
 
-def _ratio(ours: dict, other: dict | None, *, peer: bool = True) -> str:
+def _ratio(ours: dict, other: dict | None) -> str:
   if not other or not ours.get("tokens_per_s") or not other.get("tokens_per_s"):
     return ""
+  return f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x"
+
+
+def _shape_difference(ours: dict, peer: dict) -> str:
+  """What the peer ran that ours did not (sequence, parameter count); empty when the shapes are equal."""
+  if peer.get("seq") != ours.get("seq"):
+    return f"seq {peer.get('seq')} (ours {ours.get('seq')})"
+  theirs, mine = peer.get("params") or 0, ours.get("params") or 0
   # The peers leave position embeddings out of their count: a few percent apart is the same model.
-  differs = [f"seq {other['seq']}" if other.get("seq") not in (None, ours.get("seq")) else "",
-             f"{other['params'] / 1e6:.1f}M params" if other.get("params") and ours.get("params")
-             and peer and abs(other["params"] / ours["params"] - 1) > 0.05 else ""]
-  mark = "".join(f" ({d})" for d in differs if d)
-  return f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x{mark}"
+  if not theirs or not mine or abs(theirs / mine - 1) > 0.05:
+    return f"{theirs / 1e6:.1f}M params (ours {mine / 1e6:.1f}M)"
+  return ""
+
+
+def _peer_ratio(ours: dict, peer: dict | None) -> str:
+  """Our tokens/s over the peer's where both ran the same shape; otherwise why there is no ratio."""
+  if ours.get("no_peer"):
+    return "no peer of this shape"
+  difference = _shape_difference(ours, peer) if peer and ours.get("tokens_per_s") else ""
+  return f"no ratio: peer ran {difference}" if difference else _ratio(ours, peer)
 
 
 def _peer_for(peers: list[dict], name: str, size: str | None, batch: int) -> dict | None:
@@ -92,8 +108,8 @@ def _equal_batch(ours: list[dict], peers: list[dict]) -> str:
   for r in ours:
     first = next((f for f in ours if f["config"] == first_config and f["batch"] == r["batch"]
                   and f["preset"] == r["preset"]), None)
-    rows.append([r["config"], r["batch"], r.get("seq", ""), r["preset"], *_result_cells(r),
-                 _ratio(r, first, peer=False)] + [_ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"])) for n in names])
+    rows.append([r["config"], r["batch"], r.get("seq", ""), r["preset"], *_result_cells(r), _ratio(r, first)]
+                + [_peer_ratio(r, _peer_for(peers, n, r.get("peer_size"), r["batch"])) for n in names])
   return _table(header, rows)
 
 
@@ -118,7 +134,7 @@ def _best_batch(ours: list[dict], peers: list[dict]) -> str:
     rows.append([config, preset, tried, best["batch"], f"{best['tokens_per_s']:,.0f}",
                  "" if best.get("mfu") is None else f"{100 * best['mfu']:.1f}%",
                  _num(best.get("peak_mem_gib"), ".2f")]
-                + [f"{_ratio(best, p)} (at {p['batch']})" if p else "" for p in peer_best])
+                + [f"{_peer_ratio(best, p)} (at {p['batch']})" if p else "" for p in peer_best])
   header = ["config", "XLA preset", "batches tried", "best batch", "tokens/s", "MFU", "peak GiB"] + [
       f"vs best {n}" for n in names]
   return _table(header, rows) if rows else ""
@@ -135,6 +151,12 @@ def _peers(peers: list[dict]) -> str:
                  _num(1e3 * p["step_s"], ".1f") if p.get("step_s") else "", p.get("seq", ""),
                  _num(p.get("peak_mem_gib"), ".1f")])
   return _table(["peer", "size", "batch", "tokens/s", "MFU (989 TF/s)", "step ms", "seq", "peak GiB"], rows)
+
+
+def _unmatched(ours: list[dict]) -> str:
+  """One line per config that no peer could run, saying why."""
+  reasons = {r["config"]: r["no_peer"] for r in ours if r.get("no_peer")}
+  return "\n".join(f"- {config}: {why}" for config, why in reasons.items())
 
 
 def _layouts(layouts: list[dict]) -> str:

@@ -25,8 +25,8 @@ XLA_PRESETS = {
 
 GPT, LLAMA = "configs/gpt2.py:tiny", "configs/llama.py:tiny"
 # (model, layout, config, overrides, devices). The first of each model is its single-device run. The
-# Llama rows give it kv_heads=4 so that Ulysses can split the key/value heads four ways. A layout
-# is a row here; MoE rows (mesh.expert over real experts) belong here once that model exists.
+# Llama rows give it kv_heads=4 so that Ulysses can split the key/value heads four ways. A layout is
+# a row here: in the dense model `expert` is one more data axis, in moe_tiny it holds the experts.
 CPU_LAYOUTS = [
     ("gpt2 tiny", "single device", GPT, {}, 1),
     ("gpt2 tiny", "data=8", GPT, {"mesh.data": 8}, 8),

@@ -2,6 +2,7 @@
 
   python tools/sweep.py --recipe adamw_vs_l2
   python tools/sweep.py --recipe precision --set steps=30 --out runs/sweeps/precision_short
+  python tools/sweep.py --recipe all --write docs        # README's tables and figures, docs/<recipe>.md
 
 Each recipe is the tiny model on the built-in corpus, sized to finish in a few
 minutes on a 2-core CPU: a base config, the fields every run shares, and the
@@ -49,9 +50,10 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
                   "checkpoint.every": 40}
 
 
-def _bubble(fields: dict) -> str:
+def _bubble(formula):
+  """A table column: `formula` (schedules.bubble_over_total or _over_ideal) at the run's micro-batch count."""
   stages = int(PIPELINE_FIXED["mesh.pipeline"])
-  return f"{schedules.textbook_bubble(stages=stages, micro=int(fields['pipeline.microbatches'])):.3f}"
+  return lambda fields: f"{formula(stages=stages, micro=int(fields['pipeline.microbatches'])):.3f}"
 
 
 RECIPES = {r.name: r for r in [
@@ -82,5 +84,7 @@ RECIPES = {r.name: r for r in [
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),
-           fixed=PIPELINE_FIXED, devices=4, columns={"bubble (P-1)/(M+P-1)": _bubble}),
+           fixed=PIPELINE_FIXED, devices=4,
+           columns={"bubble/total (P-1)/(M+P-1)": _bubble(schedules.bubble_over_total),
+                    "bubble/ideal (P-1)/M": _bubble(schedules.bubble_over_ideal)}),
 ]}

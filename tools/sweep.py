@@ -3,6 +3,7 @@
   python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from tools/recipes.py
   python tools/sweep.py --grid optimizer.name=adamw,adam_l2 --grid schedule.warmup_steps=0,200 --seeds 0,1
   python tools/sweep.py --recipe schedule --set steps=40 --out runs/sweeps/quick
+  python tools/sweep.py --recipe all --write docs             # README's tables, docs/*.md and docs/*.png
 
 Each run is a `train.py` subprocess in `<out>/<its fields>`: a mesh fixes the
 device count when jax starts, so separate processes are the robust way to
@@ -10,7 +11,10 @@ sweep over layouts. A run directory remembers the command that made it; a
 finished run is skipped, an interrupted one resumes from its checkpoint, so
 running the same sweep again picks up where it stopped. At the end
 `<out>/results.md`, `<out>/results.csv` and the loss curves `<out>/loss.png`
-(or `--figure`) hold every run.
+(or `--figure`) hold every run. `--write DIR` also puts each recipe's table in
+DIR/<recipe>.md, its figure in DIR/<recipe>.png, and the same table and figure
+between README.md's `<!-- recipe:NAME -->` markers: README's tables are this
+tool's output, never edited by hand.
 """
 
 import csv
@@ -22,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,37 +188,109 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
   return markdown
 
 
-_RECIPE = flags.DEFINE_enum("recipe", None, list(RECIPES), "A recipe from tools/recipes.py.")
+def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
+  """A recipe's caption, table and figure and the command that made them, as docs/ and README hold them."""
+  return (f"*`{recipe.name}`*: {recipe.question}\n\n{table}\n![{recipe.name}]({figure})\n\n"
+          f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
+
+
+def replace_block(text: str, name: str, block: str) -> str:
+  """`text` with what lies between `<!-- recipe:NAME -->` and `<!-- /recipe:NAME -->` replaced by `block`."""
+  start, end = f"<!-- recipe:{name} -->", f"<!-- /recipe:{name} -->"
+  pattern = re.compile(f"({re.escape(start)}\n).*?({re.escape(end)})", re.DOTALL)
+  if not pattern.search(text):
+    raise ValueError(f"no {start} ... {end} block to rewrite; put the two markers where the table belongs.")
+  return pattern.sub(lambda match: match.group(1) + block + match.group(2), text, count=1)
+
+
+def write_docs(recipe: Recipe, table: str, docs: Path, readme: Path, command: str) -> None:
+  """<docs>/<name>.md, and the same block between the recipe's markers in `readme` (the figure is written)."""
+  figure = docs / f"{recipe.name}.png"
+  (docs / f"{recipe.name}.md").write_text(recipe_block(recipe, table, figure.name, command))
+  link = Path(os.path.relpath(figure.resolve(), readme.resolve().parent)).as_posix()
+  block = recipe_block(recipe, table, link, command)
+  readme.write_text(replace_block(readme.read_text(), recipe.name, block))
+
+
+_RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from tools/recipes.py, or all.")
 _CONFIG = flags.DEFINE_string("config", "configs/gpt2.py:tiny", "Base config and variant (without --recipe).")
 _GRID = flags.DEFINE_multi_string("grid", [], "field=v1,v2,...: one axis of the grid (repeat for more).")
 _SET = flags.DEFINE_multi_string("set", [], "field=value for every run (repeat for more).")
 _SEEDS = flags.DEFINE_list("seeds", [], "Seeds, each a run of every grid point.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
-_OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<recipe or 'sweep'>.")
+_OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<recipe or 'sweep'> (with "
+                           "--write, runs/docs/<recipe>). With --recipe=all, the folder of one per recipe.")
 _FIGURE = flags.DEFINE_string("figure", None, "Where the loss curves go; default <out>/loss.png.")
+_WRITE = flags.DEFINE_string("write", None, "With --recipe: write <this folder>/<recipe>.md and .png, and "
+                             "rewrite the recipe's <!-- recipe:NAME --> block in --readme.")
+_README = flags.DEFINE_string("readme", str(ROOT / "README.md"), "The file whose blocks --write rewrites.")
 
 
-def recipe_from_flags() -> Recipe:
-  recipe = RECIPES[_RECIPE.value] if _RECIPE.value else Recipe("sweep", "", config=_CONFIG.value)
-  changes = {"fixed": {**recipe.fixed, **parse_set(_SET.value)}}
+def recipes_from_flags() -> list[Recipe]:
+  """The recipes to run, each with the command line's changes."""
+  if _RECIPE.value == "all":
+    chosen = list(RECIPES.values())
+  else:
+    chosen = [RECIPES[_RECIPE.value] if _RECIPE.value else Recipe("sweep", "", config=_CONFIG.value)]
+  changes = {}
   if _GRID.value:
     changes.update(grid=parse_grid(_GRID.value), cases=())
   if _SEEDS.value:
     changes["seeds"] = tuple(int(s) for s in _SEEDS.value)
   if _DEVICES.value:
     changes["devices"] = _DEVICES.value
-  return dataclasses.replace(recipe, **changes)
+  return [dataclasses.replace(r, fixed={**r.fixed, **parse_set(_SET.value)}, **changes) for r in chosen]
+
+
+def sweep_dir(recipe: Recipe) -> Path:
+  """Where a recipe's runs go: --out, or one folder per recipe under it (--recipe=all) or under the default."""
+  if _OUT.value:
+    return Path(_OUT.value) / recipe.name if _RECIPE.value == "all" else Path(_OUT.value)
+  return Path("runs/docs" if _WRITE.value else "runs/sweeps") / recipe.name
+
+
+def check_write(recipes: list[Recipe]) -> None:
+  """Refuse --write where the docs would not be a recipe's, before any run starts (not after an hour)."""
+  if not _RECIPE.value or _GRID.value or _SEEDS.value or _DEVICES.value or _FIGURE.value:
+    raise ValueError("--write takes --recipe (a name or all) and --set only: the docs hold the recipes' runs, "
+                     "and each figure goes to <folder>/<recipe>.png.")
+  readme = Path(_README.value).read_text()
+  for recipe in recipes:
+    try:
+      replace_block(readme, recipe.name, "")
+    except ValueError as error:
+      raise ValueError(f"{_README.value}: {error}") from None
+
+
+def docs_command(recipe: Recipe) -> str:
+  """The command that regenerates one recipe's docs, as the docs quote it."""
+  sets = "".join(f" --set={entry}" for entry in _SET.value)
+  return f"python tools/sweep.py --recipe={recipe.name}{sets} --write={_WRITE.value}"
+
+
+def run_recipe(recipe: Recipe) -> None:
+  out = sweep_dir(recipe)
+  if not _WRITE.value:
+    print(sweep(recipe, out, Path(_FIGURE.value) if _FIGURE.value else None), end="")
+    print(f"tables in {out}/results.md and results.csv, curves in {_FIGURE.value or out / 'loss.png'}")
+    return
+  docs = Path(_WRITE.value)
+  table = sweep(recipe, out, docs / f"{recipe.name}.png")
+  print(table, end="")
+  write_docs(recipe, table, docs, Path(_README.value), docs_command(recipe))
+  print(f"wrote {docs / recipe.name}.md and .png, and its block in {_README.value}")
 
 
 def main(argv):
   del argv
   try:
-    recipe = recipe_from_flags()
-    out = Path(_OUT.value or f"runs/sweeps/{recipe.name}")
-    print(sweep(recipe, out, Path(_FIGURE.value) if _FIGURE.value else None), end="")
+    recipes = recipes_from_flags()
+    if _WRITE.value:
+      check_write(recipes)
+    for recipe in recipes:
+      run_recipe(recipe)
   except (ValueError, RuntimeError) as error:
     sys.exit(f"error: {error}")
-  print(f"tables in {out}/results.md and results.csv, curves in {_FIGURE.value or out / 'loss.png'}")
 
 
 if __name__ == "__main__":

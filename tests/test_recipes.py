@@ -1,0 +1,61 @@
+"""The committed ablation tables (docs/<recipe>.md, README's recipe blocks) are tools/sweep.py's output at HEAD.
+
+Losses are deterministic on a CPU, so one rerun row must match its committed row
+to the printed digits; tokens/s and wall time vary with the machine and are not
+compared. A missing or stale table fails here; regenerate them all with
+REGENERATE (README.md, "Research workflow").
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tools import sweep
+from tools.recipes import RECIPES
+
+ROOT = Path(__file__).resolve().parent.parent
+REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=docs"
+# The cheapest run of any recipe: 120 steps of 4 x 128 tokens, about 30 s on 2 cores.
+RECIPE, ROW = "batch_vs_accumulation", {"batch_size": 4, "grad_accum": 1}
+LOSSES = ("final train loss", "final val loss")
+
+
+def table_rows(markdown: str) -> list[dict]:
+  """The rows of the markdown table in `markdown` as {column: cell} dicts; [] when it holds none."""
+  lines = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+           for line in markdown.splitlines() if line.startswith("|")]
+  return [dict(zip(lines[0], row)) for row in lines[2:]]
+
+
+def committed(name: str) -> str:
+  path = ROOT / "docs" / f"{name}.md"
+  assert path.exists(), f"{path} is missing; regenerate the tables: {REGENERATE}"
+  return path.read_text()
+
+
+def readme_block(name: str) -> str:
+  readme = (ROOT / "README.md").read_text()
+  start, end = f"<!-- recipe:{name} -->", f"<!-- /recipe:{name} -->"
+  assert start in readme and end in readme, f"README.md has no {start} ... {end} block"
+  return readme.split(start)[1].split(end)[0]
+
+
+def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
+  recipe = RECIPES[RECIPE]
+  rows = [r for r in table_rows(committed(RECIPE)) if all(r[k] == str(v) for k, v in ROW.items())]
+  assert rows, f"docs/{RECIPE}.md has no {ROW} row; regenerate the tables: {REGENERATE}"
+  fields = next(f for f in recipe.runs() if ROW.items() <= f.items())
+  # The tables come from a shell without conftest's XLA optimisation level, which may round differently.
+  monkeypatch.setenv("XLA_FLAGS", "")
+  marker = sweep.run_one(sweep.train_command(recipe, fields, tmp_path), tmp_path, recipe.devices)
+  assert marker["finished"], (tmp_path / "train.log").read_text()[-2000:]
+  rerun = sweep.summarize(tmp_path, marker)
+  assert {k: rerun[k] for k in LOSSES} == {k: rows[0][k] for k in LOSSES}, (
+      f"docs/{RECIPE}.md's {ROW} row no longer reproduces at this commit; regenerate: {REGENERATE}")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_readme_holds_the_committed_table(name):
+  rows = table_rows(committed(name))
+  assert rows and table_rows(readme_block(name)) == rows, (
+      f"README.md's {name} block is not docs/{name}.md's table; regenerate: {REGENERATE}")
