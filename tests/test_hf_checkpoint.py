@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 from configs.gpt2 import get_config
 from conftest import tiny_config
 from tools.export import export
-from training import data, hf_checkpoint
+from training import data, hf_checkpoint, hf_mapping
 from training.checkpoint import Checkpoints
 from training.loop import train
 from training.state import plan, state_from_params
@@ -223,3 +223,17 @@ def test_export_refuses_without_writing(tmp_path):
   with pytest.raises(ValueError, match="already exists and is not an empty directory"):
     export(str(tmp_path / "run"), str(tmp_path / "taken"))
   assert os.listdir(tmp_path / "taken") == ["keep.txt"]
+
+
+@pytest.mark.parametrize("entry", ["../outside/model.safetensors", "/tmp/elsewhere/model.safetensors"])
+def test_an_index_naming_files_outside_its_directory_is_refused(tmp_path, entry):
+  directory = tmp_path / "model"
+  directory.mkdir()
+  cfg = plan(tiny_config(), jax.devices()[:1]).model
+  (directory / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied=True)))
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  save_file({"transformer.wte.weight": np.zeros((2, 2), np.float32)}, outside / "model.safetensors")
+  (directory / hf_checkpoint.WEIGHTS_INDEX).write_text(json.dumps({"weight_map": {"transformer.wte.weight": entry}}))
+  with pytest.raises(ValueError, match=rf"names {entry}, which lies outside {directory}"):
+    hf_checkpoint.open_checkpoint(str(directory))

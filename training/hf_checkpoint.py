@@ -132,6 +132,12 @@ def _tensor_files(directory: Path) -> dict:
   index = directory / WEIGHTS_INDEX
   if index.is_file():
     weight_map = json.loads(index.read_text())["weight_map"]
+    # An index is data from elsewhere: a file it names must resolve inside the directory.
+    inside = directory.resolve()
+    outside = sorted({f for f in weight_map.values() if not (directory / f).resolve().is_relative_to(inside)})
+    if outside:
+      raise ValueError(f"{index} names {outside[0]}, which lies outside {directory}; an index may only "
+                       "name files in its own directory.")
     absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
     if absent:
       raise ValueError(f"{index} names {absent[0]}, which is not in {directory}.")
