@@ -2,9 +2,11 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from conftest import tiny_config
+from training import token_files
 from training.loop import train
 
 # (overrides, what the one line must say); each is refused by training/validate.py or plan().
@@ -47,4 +49,18 @@ def test_a_workdir_that_is_a_file_or_unwritable_is_refused(tmp_path, monkeypatch
   monkeypatch.setattr(os, "access", lambda path, mode: False)
   with pytest.raises(ValueError, match=rf"cannot be written \({tmp_path} is not writable\)"):
     train(tiny_config(workdir=str(tmp_path / "run")))
+  assert not (tmp_path / "run").exists()
+
+
+def test_data_too_short_for_one_batch_is_refused_before_compiling(tmp_path):
+  folder = tmp_path / "tokens"
+  token_files.write_token_folder(folder, [np.arange(100) % 256], tokenizer="byte", vocab_size=256,
+                                 val_fraction=0.0)  # an empty val.bin
+  config = tiny_config(**{"workdir": str(tmp_path / "run"), "data.source": "tokens", "data.path": str(folder),
+                          "eval_every": 5})
+  with pytest.raises(ValueError, match=r"^The val split of .* holds 0 tokens, fewer than seq_len \+ 1 = 33"):
+    train(config)
+  config.model.max_len = 128
+  with pytest.raises(ValueError, match=r"^The train split of .* holds 100 tokens, fewer than seq_len \+ 1 = 129"):
+    train(config)
   assert not (tmp_path / "run").exists()

@@ -52,6 +52,14 @@ def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
                     str(folder))
 
 
+def check_long_enough(split: TokenSplit, seq_len: int) -> None:
+  """Refuses a split too short for one window of seq_len + 1 tokens (synthetic data never is)."""
+  if split.tokens is not None and len(split.tokens) < seq_len + 1:
+    raise ValueError(f"The {split.name} split of {split.origin} holds {len(split.tokens)} tokens, "
+                     f"fewer than seq_len + 1 = {seq_len + 1}; give it more text or lower "
+                     "--config.model.max_len.")
+
+
 def _rng(split: TokenSplit, seed: int, step: int, *more: int) -> np.random.Generator:
   # SeedSequence hashes every word, so neighbouring (seed, step) give unrelated streams.
   return np.random.default_rng([SPLITS[split.name], seed % 2**64, step, *more])
@@ -68,10 +76,7 @@ def batch_rows(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_
     for i, row in enumerate(row_ids):
       windows_RW[i] = _rng(split, seed, step, row).integers(0, split.vocab_size, window)
     return windows_RW
-  if len(split.tokens) < window:
-    raise ValueError(f"The {split.name} split of {split.origin} holds {len(split.tokens)} tokens, "
-                     f"fewer than seq_len + 1 = {window}; give it more text or lower "
-                     "--config.model.max_len.")
+  check_long_enough(split, seq_len)
   # Drawing all B starts is cheap and keeps each row's start independent of `rows`.
   starts_B = _rng(split, seed, step).integers(0, len(split.tokens) - window + 1, size=batch_size)
   for i, row in enumerate(row_ids):

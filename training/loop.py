@@ -34,6 +34,9 @@ def train(config, dry_run: bool = False) -> dict:
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
+  data.check_long_enough(train_split, layout.model.max_len)  # here, not after compiling
+  if config.eval_every:
+    data.check_long_enough(val_split, layout.model.max_len)
   if config.sample_tokens:
     prompt = encode_prompt(load_tokenizer(train_split.tokenizer), config.sample_prompt)
     check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
