@@ -71,7 +71,15 @@ def _parse_flags(argv):
   except flags.Error as error:
     # A config file that refuses its variant raises inside absl's parser, which
     # prints the whole traceback; the last line holds the sentence that matters.
-    sys.exit(f"error: {str(error).strip().splitlines()[-1].split('Error: ', 1)[-1]}")
+    message = str(error).strip().splitlines()[-1].split("Error: ", 1)[-1]
+    if "before a value for --config was specified" in message:
+      message += ": give --config=FILE first, then the --config.<field>=<value> overrides that apply to it"
+    sys.exit(f"error: {message}")
+  except OSError:
+    # With overrides present the parser loads the file itself; a missing one raised two chained tracebacks.
+    named = [arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")]
+    sys.exit(f"error: the config file {named[-1] if named else ''!r} cannot be loaded; give one like "
+             "configs/gpt2.py:tiny.")
 
 
 if __name__ == "__main__":

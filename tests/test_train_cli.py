@@ -51,6 +51,9 @@ def test_dry_run_reports_memory_and_collectives(tmp_path):
     (["--config.data.source=tokens", "--config.data.path=/no/such/dir"], "/no/such/dir"),
     (["--config.batch_size=12"], "not divisible by the data-parallel degree"),
     (["--config=configs/gpt2.py:9b"], "unknown GPT-2 variant '9b'"),
+    (["--config=configs/nope.py"], "the config file 'configs/nope.py' cannot be loaded"),
+    (["--config.steps=3", "--config=configs/gpt2.py:tiny"], "give --config=FILE first, then the"),
+    (["--config.optimizer.lr=nan"], "optimizer.lr=nan must be a finite number >= 0"),
 ])
 def test_bad_input_is_one_line(flags, says, tmp_path):
   result = run_train(*flags, f"--config.workdir={tmp_path / 'run'}")
