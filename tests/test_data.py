@@ -274,3 +274,11 @@ def test_ids_outside_the_vocabulary_are_refused_by_offset(tmp_path):
     rows(split, step=0)
   bad_id, offset = map(int, re.findall(r"\d+", str(refused.value))[:2])
   assert bad_id >= 256 and tokens[offset] == bad_id  # the offset points at the id it names
+
+
+def test_prepare_refuses_an_output_that_is_a_file(tmp_path):
+  write_corpus(tmp_path / "text")
+  (tmp_path / "taken").write_text("mine")
+  with pytest.raises(ValueError, match=r"--output=.*taken is a file, not a folder"):
+    prepare.prepare(tmp_path / "text", tmp_path / "taken")
+  assert (tmp_path / "taken").read_text() == "mine"

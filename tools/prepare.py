@@ -48,6 +48,9 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
   if not 0 <= val_fraction < 1:
     raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1).")
   # A dataset inside its own input folder must not be read back in on the next run.
+  if output_dir.exists() and not output_dir.is_dir():
+    raise ValueError(f"--output={output_dir} is a file, not a folder; give a folder for train.bin, "
+                     "val.bin and meta.json.")
   files = text_files(input_dir, skip=output_dir)
   if not files:
     raise ValueError(f"{input_dir} holds no text files ({' '.join(sorted(TEXT_SUFFIXES))}).")
