@@ -170,6 +170,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
   assert str(stopped_at) in os.listdir(tmp_path / "checkpoints")
 
 
+def test_sigterm_while_starting_up_exits_zero_without_a_step(tmp_path):
+  process = start_train(tmp_path)
+  wait_for(lambda: (tmp_path / "run.lock").exists())  # taken once signals are being recorded
+  process.send_signal(signal.SIGTERM)
+  out, err = process.communicate(timeout=120)
+  assert process.returncode == 0, err
+  assert "stopped by SIGTERM before step 1; nothing new to save." in out
+  assert not (tmp_path / "run.lock").exists()
+
+
 def test_sigkill_loses_only_the_steps_since_the_last_checkpoint(tmp_path):
   process = start_train(tmp_path)
   wait_for(lambda: (tmp_path / "checkpoints" / "10").is_dir() and max(logged_steps(tmp_path), default=0) >= 15)

@@ -50,7 +50,8 @@ def train(config, dry_run: bool = False) -> dict:
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
   lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
-    with lock:
+    # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
+    with StopRequests() as stop, lock:
       start = _resume_step(checkpoints, config.resume)
       if start is None and pretrained is not None:
         _log(f"initialising from {pretrained.describe(layout.model)}")
@@ -60,7 +61,7 @@ def train(config, dry_run: bool = False) -> dict:
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split)
+      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop)
   finally:
     checkpoints.close()
 
@@ -98,11 +99,14 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, layout, state, start, checkpoints, train_split, val_split) -> dict:
+def _run(config, layout, state, start, checkpoints, train_split, val_split, stop) -> dict:
   seq_len = layout.model.max_len
   # Compiled ahead so the first interval's tokens/s leaves compilation out and
   # the program's own memory figure can be logged beside the losses.
   train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+  if stop.signal_name and jax.process_count() == 1:  # several processes agree at the first log step
+    _log(f"stopped by {stop.signal_name} before step {start + 1}; nothing new to save.")
+    return {}
   eval_step = make_eval_step(layout)
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
@@ -126,7 +130,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split) -> d
                          batch_size=config.batch_size, seq_len=seq_len,
                          sharding=layout.batch_sharding, depth=config.data.prefetch)
   profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
-  with batches, writer, profiler, StopRequests() as stop, tqdm(
+  with batches, writer, profiler, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
     for step, batch in batches:
       done = step + 1
