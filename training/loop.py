@@ -124,6 +124,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
     return float(np.mean(jax.device_get(losses)))
 
   last, interval_start, interval_from = {}, time.perf_counter(), start
+  skipped_before = int(jax.device_get(state["skipped"]))  # a resumed run's count so far
   in_flight = StepsInFlight()
   tokens_per_step = config.batch_size * seq_len
   batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
@@ -149,12 +150,16 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
                 "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes, **_optional_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
-        interval_start, interval_from = time.perf_counter(), done
-        if last["skipped"] and config.nonfinite == "stop":
-          checkpoints.save_now(done, state, config)
-          raise ValueError(f"step {done}: {last['skipped']} update(s) had a non-finite loss, gradient "
-                           f"or update and were not applied; the last good state is saved as step "
-                           f"{done}. Lower optimizer.lr or set nonfinite=skip.")
+        interval, newly_skipped = done - interval_from, last["skipped"] - skipped_before
+        interval_start, interval_from, skipped_before = time.perf_counter(), done, last["skipped"]
+        # nonfinite=skip tolerates the odd bad step, not a run that has stopped learning.
+        if newly_skipped and (config.nonfinite == "stop" or 2 * newly_skipped > interval):
+          checkpoints.save_now(done, state, config)  # skipped steps left the state as it was: good
+          advice = ("Lower optimizer.lr or set nonfinite=skip." if config.nonfinite == "stop" else
+                    "More than half were skipped, so the run is not learning: lower optimizer.lr.")
+          raise ValueError(f"step {done}: {newly_skipped} of the last {interval} updates had a non-finite "
+                           f"loss, gradient or update and were not applied; the last good state is "
+                           f"saved as step {done}. {advice}")
       if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
         last["eval_loss"] = evaluate(state["params"])
         writer.write(done, {"eval_loss": last["eval_loss"]})

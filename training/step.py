@@ -119,11 +119,15 @@ def make_train_step(layout: Layout, config):
     # moments are not all finite (a NaN learning rate makes only the update NaN; a huge gradient
     # can overflow v alone) is dropped and counted, and the loop applies config.nonfinite to the
     # count. Under float16 this is also the loss scaler's overflow skip.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+    loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+    finite = loss_finite & grads_finite & all_finite((params, opt_state))
     keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    # Under loss scaling, a gradient that overflows while the loss is finite is the scaler's
+    # routine (it halves the scale), not a fault: `skipped`, which nonfinite= acts on, leaves it out.
+    overflow = (scale is not None) & loss_finite & ~grads_finite
     new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
                  "opt_state": keep_finite(opt_state, state["opt_state"]),
-                 "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
+                 "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
     # `loss` is the cross-entropy, comparable across dense and MoE runs; router figures ride along.
     cross_entropy = stats.pop("cross_entropy", loss)
     metrics = {**stats, "loss": cross_entropy, "grad_norm": grad_norm, "lr": schedule(state["step"]),
