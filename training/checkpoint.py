@@ -60,12 +60,8 @@ class Checkpoints:
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
     _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
-    restored = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+    return self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"])
-    import jax.numpy as jnp
-    restored["opt_state"] = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                         restored["opt_state"])
-    return restored
 
   def stored_config(self, step: int) -> dict:
     """The run config saved with `step`, as a plain dict."""
