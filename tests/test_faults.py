@@ -217,3 +217,21 @@ def test_sigkill_loses_only_the_steps_since_the_last_checkpoint(tmp_path):
                   for l in (tmp_path / "metrics.jsonl").read_text().splitlines()}
   # Steps after the checkpoint were lost and recomputed, to the same bits.
   assert all(losses_after[s] == losses_before[s] for s in losses_before if s <= 30)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 700 KiB tmpfs: room for the logs, not for a checkpoint of the tiny model (1.4 MiB)."""
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], capture_output=True).returncode:
+    pytest.skip("this machine does not let the tests mount a tmpfs")
+  yield mount
+  subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_stops_the_run_at_the_first_failed_save(small_disk):
+  with pytest.raises(ValueError, match=r"^saving a checkpoint into .* failed \(.*\); one needs about 1.4 MiB "
+                                       r"and 0.0 MiB are free\. The newest saved checkpoint is none"):
+    train(config_for(small_disk / "run", steps=20))
+  assert not (small_disk / "run" / "run.lock").exists()

@@ -7,6 +7,8 @@ the config. Orbax writes each step into a temporary folder and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint readable.
 """
 
+import contextlib
+import shutil
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ class Checkpoints:
   def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all; >= 1 (validate.py)
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
+    self._state_bytes = 0  # of the last state saved: what a failed save needed
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                            enable_async_checkpointing=True)
     self._manager = ocp.CheckpointManager(
@@ -47,9 +50,29 @@ class Checkpoints:
     if not due or step == self._manager.latest_step():
       return
     self.directory.mkdir(parents=True, exist_ok=True)
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      config=ocp.args.JsonSave(config.to_dict())),
-                       force=True)
+    self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    with self._reporting_failed_saves():  # orbax also raises an earlier async save's error here
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        config=ocp.args.JsonSave(config.to_dict())),
+                         force=True)
+
+  def check(self) -> None:
+    """Raises, in one line, if an async save has failed since the last check (say, a full disk)."""
+    with self._reporting_failed_saves():
+      self._manager.check_for_errors()
+
+  @contextlib.contextmanager
+  def _reporting_failed_saves(self):
+    try:
+      yield
+    except Exception as error:  # orbax raises many kinds (OSError, ValueError, its own)
+      free = shutil.disk_usage(self.directory).free
+      good = self.steps()
+      raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); one "
+                       f"needs about {self._state_bytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are "
+                       f"free. The newest saved checkpoint is "
+                       f"{f'step {good[-1]}' if good else 'none'}: make room, then run the same command "
+                       "to resume.") from None
 
   def save_now(self, step: int, state, config) -> None:
     """Save `step` whatever the schedule and wait until it is on disk (before stopping a run)."""
@@ -84,7 +107,8 @@ class Checkpoints:
                        f"({_first_line(error)}); it was left untouched.") from None
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with self._reporting_failed_saves():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()

@@ -165,6 +165,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
+      checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
       if stop.requested(done, config.log_every):
         checkpoints.save_now(done, state, config)
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
