@@ -57,6 +57,15 @@ def _varying(x):
   return jax.lax.pcast(x, PIPELINE, to="varying")
 
 
+def _from_stage(holds, x):
+  """`x` as the stage where `holds` is true has it, on every stage: a psum over `pipeline` of it and zeros.
+
+  The sum runs in float32, exact whatever the dtype since all but one term are zero: XLA's CPU compiler
+  aborts on a bfloat16 psum here ("Invalid binary instruction opcode copy" in AllReducePromotion).
+  """
+  return jax.lax.psum(jnp.where(holds, x, 0).astype(jnp.float32), PIPELINE).astype(x.dtype)
+
+
 def _circular_blocks(layout, params, x_MbTD):
   stages, virtual, micro = layout.mesh.shape[PIPELINE], layout.virtual_stages, layout.microbatches
   params = {**params, STACKED: _stage_major(params[STACKED], stages, virtual)}
@@ -71,7 +80,7 @@ def _circular_blocks(layout, params, x_MbTD):
 
     def tick(incoming_bTD, t):
       m, s, valid = schedules.circular_slot(t, stage, stages=stages, virtual=virtual, micro=micro)
-      x_bTD = jnp.where(s == 0, x_MbTD[jnp.clip(m, 0, micro - 1)], incoming_bTD)
+      x_bTD = jnp.where(s == 0, x_MbTD[jnp.clip(m, 0, micro - 1)].astype(dtype), incoming_bTD)
       chunk = jax.tree.map(
           lambda w: jax.lax.dynamic_slice_in_dim(w, (s // stages) * chunk_layers, chunk_layers),
           params[STACKED])
@@ -81,10 +90,13 @@ def _circular_blocks(layout, params, x_MbTD):
     start = _varying(jnp.zeros_like(x_MbTD[0]))
     _, y_tbTD = jax.lax.scan(tick, start, jnp.arange(ticks))
     # The last virtual stage lives on the last device; share its outputs with every stage.
-    return jax.lax.psum(jnp.where(stage == stages - 1, y_tbTD[out_ticks], 0), PIPELINE)
+    return _from_stage(stage == stages - 1, y_tbTD[out_ticks])
 
+  # The micro-batches enter in float32: autodiff sums their gradient over `pipeline` in every tick, a
+  # psum that XLA's CPU compiler cannot take in bfloat16 (see _from_stage). Casting is exact both ways.
+  dtype = x_MbTD.dtype
   return jax.shard_map(body, mesh=layout.mesh, in_specs=(_specs(params), P()), out_specs=P(),
-                       axis_names={PIPELINE})(params, x_MbTD)
+                       axis_names={PIPELINE})(params, x_MbTD.astype(jnp.float32))
 
 
 def one_f_one_b_loss_and_grads(layout, params, batch):
@@ -158,7 +170,7 @@ def _one_f_one_b(layout, params, x_MbTD, targets_MbT):
     # Head gradients live on the last stage and input gradients on the first: share them.
     shared = {k: jax.lax.psum(v, PIPELINE) for k, v in grads.items() if k != STACKED}
     return (jax.lax.psum(loss, PIPELINE), {**shared, STACKED: grads[STACKED]},
-            jax.lax.psum(jnp.where(stage == 0, d_x_MbTD, 0), PIPELINE))
+            _from_stage(stage == 0, d_x_MbTD))
 
   return jax.shard_map(body, mesh=layout.mesh, in_specs=(_specs(params), P(), P()),
                        out_specs=(P(), _specs(params), P()), axis_names={PIPELINE})(

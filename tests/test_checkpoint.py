@@ -37,12 +37,36 @@ def restore(workdir, step, **overrides):
     checkpoints.close()
 
 
+RESTORED_STEP = 10
+STEPS_AFTER_RESTORE = 3  # the loss of a step after the first depends on the restored Adam moments
+
+
+def keeping_state_at(step, kept):
+  """Checkpoints that also put a host copy of the state handed to them at `step` into `kept`."""
+
+  class KeepingCheckpoints(Checkpoints):
+    def save(self, at_step, state, config, **kwargs):
+      if at_step == step:
+        kept.update(jax.device_get(state))
+      super().save(at_step, state, config, **kwargs)
+
+  return KeepingCheckpoints
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-  """20 steps in one go on data=8: the run every other test compares against."""
-  workdir = tmp_path_factory.mktemp("straight")
-  train(config_for(workdir, **{"mesh.data": 8}))
-  return workdir
+def straight_run(tmp_path_factory):
+  """20 steps in one go on data=8, and its state at step 10 as the training loop handed it to be saved."""
+  workdir, state_at_10 = tmp_path_factory.mktemp("straight"), {}
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loop, "Checkpoints", keeping_state_at(RESTORED_STEP, state_at_10))
+    train(config_for(workdir, **{"mesh.data": 8}))
+  return workdir, state_at_10
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+  """The workdir of the run every other test compares against."""
+  return straight_run[0]
 
 
 class StopAtStep10(StopRequests):
@@ -72,11 +96,25 @@ def test_stop_and_resume_is_bit_identical(straight, tmp_path, monkeypatch):
     {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2, "sharding.zero": 1},
     {"mesh.data": 1},
 ])
-def test_a_checkpoint_restores_onto_another_mesh(straight, target):
-  layout, config, state = restore(straight, 10, **target)
-  assert int(state["step"]) == 10
+def test_a_checkpoint_restores_onto_another_mesh(straight_run, target):
+  straight, state_at_10 = straight_run
+  layout, config, state = restore(straight, RESTORED_STEP, **target)
+  assert int(state["step"]) == RESTORED_STEP
+  # Adam's m, v and step count as they were in memory at the save: resharding moves them, never changes them.
+  restored, saved = jax.device_get(state["opt_state"]), state_at_10["opt_state"]
+  assert jax.tree.structure(restored) == jax.tree.structure(saved)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  counts = [int(x) for path, x in jax.tree_util.tree_leaves_with_path(restored)
+            if "count" in jax.tree_util.keystr(path)]
+  assert counts == [RESTORED_STEP] * 2  # Adam's bias correction and the schedule: 10 updates so far
+  # The next steps on the new mesh take the straight run's: the first loss checks the params, the later
+  # ones the updates that the restored moments made.
+  train_step = make_train_step(layout, config)
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
-  batch = data.global_batch(split, seed=config.seed, step=10, batch_size=config.batch_size,
-                            seq_len=config.model.max_len, sharding=layout.batch_sharding)
-  _, metrics = make_train_step(layout, config)(state, batch)
-  np.testing.assert_allclose(float(metrics["loss"]), losses(straight)[11], rtol=1e-5)
+  for step in range(RESTORED_STEP, RESTORED_STEP + STEPS_AFTER_RESTORE):
+    batch = data.global_batch(split, seed=config.seed, step=step, batch_size=config.batch_size,
+                              seq_len=config.model.max_len, sharding=layout.batch_sharding)
+    state, metrics = train_step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), losses(straight)[step + 1], rtol=1e-5,
+                               err_msg=f"step {step + 1}")

@@ -59,9 +59,22 @@ def test_data_parallel_step_reduces_every_gradient():
       analysis.summary_table(found))
 
 
-def test_fsdp_gathers_weights_over_data():
+def sharded_over_data(shardings) -> int:
+  return sum(DATA in jax.tree.leaves(tuple(s.spec)) for s in jax.tree.leaves(shardings))
+
+
+def test_fsdp_gathers_each_weight_where_it_is_used():
   config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
   layout = plan(config)
   found = analysis.collectives(compiled_forward(layout, config), layout.mesh)
-  assert analysis.count_by(found, kind="all-gather", axes=DATA, in_loop=True) >= 1, (
-      analysis.summary_table(found))
+  table = analysis.summary_table(found)
+  # FSDP shards each weight's `embed` axis over data. In a block that is 10 of its 12 weights: both
+  # LayerNorms' scale and bias, the QKV and output kernels, the output bias, the MLP's two kernels and
+  # its down bias (the QKV and up biases have no `embed` axis and stay whole). Each is gathered once
+  # where it is used, in the scanned loop's body (run once per layer), and none twice.
+  assert analysis.count_by(found, kind="all-gather", axes=DATA, in_loop=True) == 10, table
+  # Outside the loop the token table, the positions and the final LayerNorm's scale and bias; and the
+  # batch's token ids (s32[16, 32]), which the partitioner gathers for the lookup in the sharded table.
+  assert analysis.count_by(found, kind="all-gather", axes=DATA, in_loop=False) == 4 + 1, table
+  outside = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}  # the layout agrees
+  assert (sharded_over_data(layout.param_shardings["blocks"]), sharded_over_data(outside)) == (10, 4)

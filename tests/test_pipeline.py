@@ -1,15 +1,20 @@
 """Pipeline schedules compute the unpipelined numbers, run the tables they print, and 1F1B saves memory."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import tiny_config
 from parallel import analysis, schedules
-from test_equivalence import assert_tree_close, loss_and_gradients, run_layout
+from test_equivalence import (BF16_LOSS_RTOL, STEPS, assert_bf16_gradients_close, assert_params_close,
+                              assert_tree_close, loss_and_gradients, run_layout)
+from tools import pipeline_bubble
 from training.dry_run import compile_train_step
 from training.state import plan
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEP = {"model.num_layers": 8, "pipeline.microbatches": 4}  # 8 layers split over P x V = 2 x 4 or 4 x 2
 LAYOUTS = {
     "pipeline=2": {"mesh.pipeline": 2, "mesh.data": 4},
@@ -38,7 +43,40 @@ def test_schedule_matches_unpipelined(layout, schedule, reference):
 
 def test_3d_parallel_1f1b_step_matches_unpipelined(reference):
   _, _, params = run_layout(overrides("pipeline=2 x tensor=2 x data=2", "1f1b"), jax.devices())
-  assert_tree_close(params, reference[2], "parameter after one AdamW step")
+  assert_params_close(params, reference[2], f"parameter after {STEPS} steps")
+
+
+# Pipelining combined with other features, each against the same model on one device. Two layers (one per
+# stage) and two micro-batches keep the compiles short.
+SHALLOW = {"model.num_layers": 2, "pipeline.microbatches": 2}
+
+
+def test_pipeline_with_fsdp_and_grad_accumulation_matches_single_device():
+  # ZeRO-3 shards the stage weights and their moments over data; each of 2 accumulated micro-batches runs
+  # the whole schedule. The parameters after STEPS steps see both.
+  combined = {**SHALLOW, "mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2, "sharding.zero": 3,
+              "grad_accum": 2}
+  loss, grads, params = run_layout(combined, jax.devices())
+  ref_loss, ref_grads, ref_params = run_layout({**SHALLOW, "mesh.data": 1}, jax.devices()[:1])
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, "gradient")
+  assert_params_close(params, ref_params, f"parameter after {STEPS} steps")
+
+
+LLAMA_BF16 = {**SHALLOW, "model.family": "llama", "model.kv_heads": 2, "precision.compute": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def llama_bf16_reference():
+  return loss_and_gradients({**LLAMA_BF16, "mesh.data": 1}, jax.devices()[:1])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_llama_in_bf16_matches_single_device_bf16(schedule, llama_bf16_reference):
+  pipelined = {**LLAMA_BF16, "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": schedule}
+  loss, grads = loss_and_gradients(pipelined, jax.devices())
+  np.testing.assert_allclose(loss, llama_bf16_reference[0], rtol=BF16_LOSS_RTOL)
+  assert_bf16_gradients_close(grads, llama_bf16_reference[1], "bfloat16 gradient")
 
 
 def temp_bytes(schedule):
@@ -52,23 +90,37 @@ def test_1f1b_needs_less_temporary_memory_than_gpipe():
   assert temp_bytes("1f1b") < temp_bytes("gpipe")
 
 
+def test_bubble_formulas_divide_by_the_total_and_by_the_ideal_time():
+  # P=4, M=32: 3 idle ticks of 35 (bubble/total), 3 idle ticks per 32 busy ones (bubble/ideal, Megatron-LM's).
+  assert schedules.bubble_over_total(stages=4, micro=32) == pytest.approx(3 / 35)  # 0.0857
+  assert schedules.bubble_over_ideal(stages=4, micro=32) == pytest.approx(3 / 32)  # 0.09375
+  # V=2 chunks: as if there were 2M micro-batches.
+  assert schedules.bubble_over_total(stages=4, micro=8, virtual=2) == pytest.approx(3 / 19)
+  assert schedules.bubble_over_ideal(stages=4, micro=8, virtual=2) == pytest.approx(3 / 16)
+
+
 @pytest.mark.parametrize("stages, micro, virtual", [(2, 4, 1), (4, 4, 1), (4, 8, 1), (4, 8, 2), (2, 6, 3)])
-def test_circular_schedule_has_the_textbook_bubble(stages, micro, virtual):
+def test_circular_schedule_idles_bubble_over_total(stages, micro, virtual):
   schedule = "interleaved" if virtual > 1 else "gpipe"
   rows = schedules.timeline(schedule, stages=stages, micro=micro, virtual=virtual)
   # Each device runs every micro-batch through each of its V chunks exactly once.
   for row in rows:
     busy = [c for c in row if c != "."]
     assert len(busy) == len(set(busy)) == micro * virtual
-  expected = (stages - 1) / (virtual * micro + stages - 1)
-  np.testing.assert_allclose(schedules.idle_fraction(schedule, stages=stages, micro=micro,
-                                                     virtual=virtual), expected)
+  np.testing.assert_allclose(schedules.idle_fraction(schedule, stages=stages, micro=micro, virtual=virtual),
+                             schedules.bubble_over_total(stages=stages, micro=micro, virtual=virtual))
 
 
 @pytest.mark.parametrize("stages, micro", [(2, 4), (4, 8), (4, 16)])
 def test_1f1b_has_gpipes_bubble(stages, micro):
   np.testing.assert_allclose(schedules.idle_fraction("1f1b", stages=stages, micro=micro),
-                             (stages - 1) / (micro + stages - 1))
+                             schedules.bubble_over_total(stages=stages, micro=micro))
+
+
+def test_bubble_tool_prints_readme_table():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  assert pipeline_bubble.bubble_table(4, [4, 8, 16, 32, 64], 2) in readme  # README quotes it verbatim
 
 
 def test_1f1b_timeline_is_the_textbook_table():
