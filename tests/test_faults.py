@@ -231,7 +231,8 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_stops_the_run_at_the_first_failed_save(small_disk):
+  # What is left free depends on how far orbax got before the disk filled (0.0 or 0.1 MiB seen).
   with pytest.raises(ValueError, match=r"^saving a checkpoint into .* failed \(.*\); one needs about 1.4 MiB "
-                                       r"and 0.0 MiB are free\. The newest saved checkpoint is none"):
+                                       r"and 0\.[0-6] MiB are free\. The newest saved checkpoint is none"):
     train(config_for(small_disk / "run", steps=20))
   assert not (small_disk / "run" / "run.lock").exists()
