@@ -1,5 +1,7 @@
 """Parameterised building blocks with logical axis names on every weight."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -54,5 +56,36 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> j
   """einsum in the compute dtype accumulating in float32; with `fp8`, on fp8 operands (model/fp8.py)."""
   if fp8:
     return fp8_einsum(spec, x.astype(dtype), w.astype(dtype))
-  out = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-  return out.astype(dtype)
+  if jnp.dtype(dtype) == jnp.float32:
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+  return _rounded_einsum(spec, x.astype(dtype), w.astype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rounded_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """An einsum whose result, and whose input gradient, leave the matmul in the operands' dtype.
+
+  Each device's matmul still accumulates in float32 (XLA's dots do for bf16
+  results) and rounds once. What matters is where: when the contraction is
+  split over devices (Megatron's row-parallel output, the column-parallel
+  input gradient) the partitioner sums the dot's result across them, so
+  rounding inside the dot makes that all-reduce carry bf16, as Megatron-LM's
+  does, instead of float32 cast afterwards. The weight gradient keeps a
+  float32 result: its sum over the batch's devices stays float32.
+  """
+  return jnp.einsum(spec, x, w, preferred_element_type=x.dtype)
+
+
+def _rounded_einsum_fwd(spec, x, w):
+  return _rounded_einsum(spec, x, w), (x, w)
+
+
+def _rounded_einsum_bwd(spec, residuals, g):
+  x, w = residuals
+  (x_spec, w_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
+  dx = jnp.einsum(f"{out_spec},{w_spec}->{x_spec}", g, w, preferred_element_type=x.dtype)
+  dw = jnp.einsum(f"{x_spec},{out_spec}->{w_spec}", x, g, preferred_element_type=jnp.float32)
+  return dx, dw.astype(w.dtype)
+
+
+_rounded_einsum.defvjp(_rounded_einsum_fwd, _rounded_einsum_bwd)

@@ -17,12 +17,24 @@ Replica groups come in three spellings on jax 0.11, all handled here:
 The mesh spelling names the axes of the mesh the partitioner saw, which under
 plain `jax.jit` shardings is anonymous (`axis_0`, size-1 axes dropped), so we
 expand every spelling to device groups rather than trust the printed names.
+
+Two readings of one program. The compiled HLO is what the backend made of it,
+and the CPU backend rewrites collectives a GPU or TPU would not: it widens
+bf16 all-reduces to float32 (its `all-reduce-promotion` pass) and never forms
+reduce-scatters. `compile_partitioned` also keeps the HLO as the SPMD
+partitioner left it, before any backend pass, where the partitioner writes a
+reduce-scatter as an all-reduce whose only use is the device's 1/D
+dynamic-slice; GPU and TPU compilers fuse that pair into a reduce-scatter
+(XLA's ReduceScatterCreator), and so does our reading of it.
 """
 
 import collections
 import dataclasses
+import glob
 import itertools
+import os
 import re
+import tempfile
 
 import numpy as np
 
@@ -32,7 +44,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.+?)\s(" + "|".join(KINDS) + r")(-start)?\(")
 _CALLEE = re.compile(
-    r"\b(body|condition|calls|branch_computations|true_computation|"
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
     r"false_computation)=(?:\{([^}]*)\}|%?([\w.\-]+))")
 _IOTA = r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
 _IOTA_GROUPS = re.compile(rf"replica_groups=({_IOTA})")
@@ -73,9 +85,30 @@ class Collective:
     return self.loop_depth > 0
 
 
-def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
+def compile_partitioned(lowered):
+  """Compiles `lowered`: the executable, and its HLO text right after SPMD partitioning.
+
+  XLA writes the module as the `spmd-partitioning` pass leaves it to a dump
+  folder, a fresh one per call (the folder is a compile option, so a cached
+  executable cannot skip the dump).
+  """
+  with tempfile.TemporaryDirectory() as folder:
+    compiled = lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning",
+                                "xla_dump_disable_metadata": True})
+    dumps = glob.glob(os.path.join(folder, "*.after_spmd-partitioning.*.txt"))
+    if len(dumps) != 1:
+      raise RuntimeError(f"expected one HLO dump after spmd-partitioning, found {len(dumps)} in {folder}")
+    with open(dumps[0]) as dump:
+      return compiled, dump.read()
+
+
+def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None) -> list[Collective]:
   """Lists the collectives of a compiled program (or its HLO text) over `mesh`.
 
+  With `partitioned` (the text `compile_partitioned` returns beside the
+  executable), lists those of the program before the backend's passes, as
+  a GPU or TPU compiler would receive it (module docstring), with each loop's
+  trips read off the compiled program's loop of the same name.
   Async pairs count once (the `-start`; `-done` is skipped). Raises ValueError
   on a collective whose replica groups we cannot read, so a new XLA spelling
   fails loudly instead of vanishing from the counts.
@@ -83,9 +116,14 @@ def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
   is_text = isinstance(compiled_or_hlo_text, str)
   text = compiled_or_hlo_text if is_text else compiled_or_hlo_text.as_text()
   coords = _position_coords(mesh, None if is_text else compiled_or_hlo_text)
-  depth, loop_body, trips, where = _loop_nesting(text)
-  found = []
-  for line_number, line in enumerate(text.splitlines()):
+  known_trips = {}
+  if partitioned is not None:
+    known_trips, text = _trip_counts(text), partitioned
+  depth, loop_body, trips, where = _loop_nesting(text, known_trips)
+  lines = text.splitlines()
+  uses = _uses(lines) if partitioned is not None else {}
+  found, folded = {}, {}
+  for line_number, line in enumerate(lines):
     match = _INSTRUCTION.match(line)
     if not match:
       continue
@@ -93,14 +131,72 @@ def collectives(compiled_or_hlo_text, mesh) -> list[Collective]:
     groups = parse_groups(line, mesh.size)
     axes = {a for g in groups for a in _differing_axes(g, coords, mesh)}
     computation = where.get(line_number, "")
-    found.append(Collective(
+    found[name] = Collective(
         kind=kind, name=name, computation=computation,
         loop_depth=depth.get(computation, 0),
         loop_body=loop_body.get(computation),
         result_bytes=_result_bytes(result_type, kind, bool(start)),
         axes=tuple(a for a in mesh.axis_names if a in axes),
-        group_size=_group_size(groups, kind), trips=trips.get(computation, 1)))
-  return found
+        group_size=_group_size(groups, kind), trips=trips.get(computation, 1))
+    operand = _all_reduce_operand(line) if kind == "all-reduce" else None
+    if operand in found and found[operand].kind == "all-reduce" and uses.get(operand) == [("all-reduce", 0, 0)]:
+      # XLA's AllReduceFolder: an all-reduce of an all-reduce is one over both groups.
+      inner = found.pop(operand)
+      found[name] = dataclasses.replace(
+          found[name], axes=tuple(a for a in mesh.axis_names if a in axes | set(inner.axes)),
+          group_size=found[name].group_size * inner.group_size)
+  for name, c in found.items():
+    # XLA's ReduceScatterCreator: an all-reduce whose one use keeps this device's 1/D of it.
+    if c.kind == "all-reduce" and len(uses.get(name, ())) == 1 and uses[name][0][:2] == ("dynamic-slice", 0) \
+        and uses[name][0][2] * c.group_size == c.result_bytes:
+      found[name] = dataclasses.replace(c, kind="reduce-scatter", result_bytes=uses[name][0][2])
+  return list(found.values())
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.+?)\s([\w\-]+)\((.*)")
+
+
+def _operands(rest: str) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+
+
+def _all_reduce_operand(line: str) -> str | None:
+  operands = _operands(_DEFINITION.match(line).group(4))
+  return operands[0] if len(operands) == 1 else None
+
+
+def _uses(lines) -> dict[str, list[tuple[str, int, int]]]:
+  """Per instruction name: (opcode, operand position, result bytes) of each instruction that reads it.
+
+  Names are unique within an HLO module, so uses are found by name.
+  """
+  uses = collections.defaultdict(list)
+  for line in lines:
+    if match := _DEFINITION.match(line):
+      _, result_type, opcode, rest = match.groups()
+      for position, operand in enumerate(_operands(rest)):
+        size = _result_bytes(result_type, opcode, False) if opcode == "dynamic-slice" else 0
+        uses[operand].append((opcode, position, size))
+  return dict(uses)
+
+
+def _trip_counts(compiled_text: str) -> dict[str, int]:
+  """Known trip counts of a compiled program's while loops, by body name without `wide.` prefixes."""
+  counts = {}
+  for line in compiled_text.splitlines():
+    body, count = re.search(r"\bbody=%?([\w.\-]+)", line), _TRIP_COUNT.search(line)
+    if body and count:
+      counts[re.sub(r"^(wide\.)+", "", body.group(1))] = int(count.group(1))
+  return counts
+
+
+def _known_trips(body: str, known_trips: dict[str, int]) -> int:
+  """The trips of the loop named `body` before backend passes, which copy it under suffixed names (`.clone`, `.sunk`).
+
+  Counts once where no compiled loop, or loops of different lengths, carry the name.
+  """
+  counts = {n for name, n in known_trips.items() if name == body or name.startswith(body + ".")}
+  return counts.pop() if len(counts) == 1 else 1
 
 
 def parse_groups(line: str, num_devices: int) -> list[list[int]]:
@@ -223,10 +319,12 @@ def _array_bytes(dtype: str, dims: list[int]) -> int:
   return -(-int(np.prod(dims, dtype=np.int64)) * bits // 8)
 
 
-def _loop_nesting(text: str):
+def _loop_nesting(text: str, known_trips: dict[str, int]):
   """Per computation: while loops around it, the innermost body's name, and the trips it runs.
 
-  Also returns, per line number, the computation that line sits in.
+  A loop whose trip count the text does not carry takes it from `known_trips`
+  (by body base name), else counts once. Also returns, per line number, the
+  computation that line sits in.
   """
   callees, where, current, entry = {}, {}, None, None
   for line_number, line in enumerate(text.splitlines()):
@@ -241,11 +339,12 @@ def _loop_nesting(text: str):
       # A while names its loop by the body, for the condition too.
       body = re.search(r"\bbody=%?([\w.\-]+)", line)
       count = _TRIP_COUNT.search(line)
+      count = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
       for attribute, listed, single in _CALLEE.findall(line):
         for callee in re.split(r",\s*", listed) if listed else [single]:
           is_loop = attribute in ("body", "condition")
           callees[current].append((callee.lstrip("%"), is_loop, body.group(1) if is_loop else None,
-                                   int(count.group(1)) if is_loop and count else 1))
+                                   count if is_loop else 1))
   depth, loop_body, trips = {entry: 0}, {}, {entry: 1}
   pending = [entry]
   while pending:  # A worklist: a computation may have several callers.

@@ -234,7 +234,8 @@ def _gradients(config, mesh, weights, traffic):
   all-gathers each weight where it is used: stacked layers once in the
   forward loop and once in the backward loop, the rest once. Each micro-batch
   of gradient accumulation reduces its own gradients. A tied embedding is used
-  twice (lookup and head), and XLA reduces the two uses' gradients apart.
+  twice (lookup and head): XLA all-reduces the two uses' gradients apart,
+  but sums them before a reduce-scatter.
   """
   zero, accum = config.sharding.zero, config.grad_accum
   param_bytes = MASTER_BYTES
@@ -243,9 +244,9 @@ def _gradients(config, mesh, weights, traffic):
   for w in weights:
     # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
     used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
-    uses = 2 if tied and w.axes == ("vocab", "embed") else 1
     fsdp = zero == 3 and DATA in sharded_over(w, mesh, rules.weight_rules(3))
     scatter = DATA in token_axes and DATA in sharded_over(w, mesh, rules.optimizer_rules(zero))
+    uses = 2 if tied and w.axes == ("vocab", "embed") and not scatter else 1
     replicas = token_axes - ({DATA} if scatter else set())
     grad = used
     if scatter:
@@ -284,19 +285,20 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
 def _tensor_parallel(config, mesh, traffic):
   """Megatron-LM: per layer, the attention and MLP outputs are all-reduced forward, their inputs' gradients backward.
 
-  The row-parallel matmuls accumulate in float32 and cast after the
-  reduction, so these all-reduces carry float32 whatever the compute dtype.
-  Outside the layers: the vocabulary-sharded embedding lookup forward, the
-  head's input gradient backward, and the softmax's max, sum and the loss's
-  contraction over the vocabulary, each a float32 value per token.
+  Each device's matmul rounds its float32 accumulation to the compute dtype
+  before the sum (model/layers.py), so these carry the compute dtype, as in
+  Megatron-LM. Outside the layers: the vocabulary-sharded embedding lookup
+  forward (float32: the table is gathered before the cast), the head's input
+  gradient backward (compute dtype), and the softmax's max, sum and the
+  loss's contraction over the vocabulary, each a float32 value per token.
   """
   if mesh[TENSOR] == 1:
     return
   d, t = dims(config, mesh), mesh[TENSOR]
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
-  per_layer = 2 * _all_reduce(d.tokens * d.embed * 4, t)
-  outside = d.tokens * (2 * d.embed + 4) * 4
+  per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
+  outside = d.tokens * (d.embed * 4 + 4 * 4) + d.activation_bytes(d.embed)
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))

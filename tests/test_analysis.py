@@ -241,3 +241,34 @@ def test_memory_summary_without_analysis():
       return None
   summary = analysis.memory_summary(NoAnalysis())
   assert summary["peak_bytes"] == 0 and summary["temp_bytes"] == 0
+
+
+def test_partitioned_reading_keeps_bf16_forms_reduce_scatters_and_folds_chains():
+  # In a 3-trip loop, a contraction over a batch split on `data` and a length split on `tensor` with a
+  # replicated result (the partitioner writes an all-reduce over `tensor` feeding one over `data`) and
+  # a bf16 contraction over `tensor`; after it, the first contraction summed into a result split over
+  # `data` (an all-reduce over `data` whose one use is the device's half, then a sum over `tensor`).
+  mesh = make_mesh((2, 1, 1, 1, 4))
+  x_BTD = jax.device_put(jnp.ones((4, 8, 16), jnp.float32), NamedSharding(mesh, P("data", "tensor")))
+  h_BF = jax.device_put(jnp.ones((4, 32), jnp.bfloat16), NamedSharding(mesh, P("data", "tensor")))
+  w_FD = jax.device_put(jnp.ones((32, 16), jnp.bfloat16), NamedSharding(mesh, P("tensor")))
+
+  def fn(x, h, w):
+    def body(carry, _):
+      y_BD = jnp.einsum("bf,fd->bd", h, w, preferred_element_type=jnp.bfloat16)
+      return carry + y_BD, jnp.einsum("btd,bte->de", x, x)
+    y, g = jax.lax.scan(body, jnp.zeros((4, 16), jnp.bfloat16), length=3)
+    s = jax.lax.with_sharding_constraint(jnp.einsum("btd,bte->de", x, x), NamedSharding(mesh, P("data")))
+    return g, y, s
+
+  compiled, partitioned = analysis.compile_partitioned(jax.jit(fn).lower(x_BTD, h_BF, w_FD))
+  found = analysis.collectives(compiled, mesh, partitioned)
+  assert analysis.traffic_per_step(found) == {
+      # f32[16,16], 1024 bytes, over all 8 devices, 3 trips: 3 x 2 x 1024 x 7/8.
+      ("all-reduce", "data+tensor"): 5376,
+      # bf16[2,16], 64 bytes, over 4 devices, 3 trips: 3 x 2 x 64 x 3/4; then f32[8,16]: 2 x 512 x 3/4.
+      ("all-reduce", "tensor"): 288 + 768,
+      # f32[16,16] scattered 2 ways: each device sends its 512-byte half once.
+      ("reduce-scatter", "data"): 512}
+  backend = analysis.traffic_per_step(analysis.collectives(compiled, mesh))
+  assert {key for key in backend if key[0] == "reduce-scatter" or key[1] == "data+tensor"} == set(), backend

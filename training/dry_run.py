@@ -24,6 +24,11 @@ def compile_train_step(layout: Layout, config):
   return make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
 
 
+def compile_partitioned_train_step(layout: Layout, config):
+  """The compiled step and its HLO before the backend's passes (analysis.compile_partitioned)."""
+  return analysis.compile_partitioned(make_train_step(layout, config).lower(*abstract_inputs(layout, config)))
+
+
 def model_weights(config) -> list[estimate.Weight]:
   """Every weight's shape and logical axes, from the model's abstract (no arrays, no mesh)."""
   with nnx.use_eager_sharding(False):
@@ -34,44 +39,52 @@ def model_weights(config) -> list[estimate.Weight]:
           for x, s in zip(jax.tree.leaves(nnx.to_pure_dict(params)), specs, strict=True)]
 
 
-def comparison(config, mesh: dict, compiled, found) -> list[tuple[str, int, int | None]]:
-  """(what, estimated bytes, compiled bytes or None) rows: memory per device, then collective bytes per step.
+def comparison(config, mesh: dict, compiled, found, found_backend) -> list[tuple[str, int, int | None, int | None]]:
+  """(what, estimated bytes, partitioned bytes, CPU backend bytes) rows: memory per device, then collective bytes per step.
 
-  `found` are the compiled program's collectives (analysis.collectives).
+  `found` are the collectives of the program as partitioned, before the
+  backend's passes, `found_backend` those the CPU backend compiled
+  (analysis.collectives); memory has one compiled figure, in the third place.
   """
   weights = model_weights(config)
   mem, measured = estimate.memory(config, mesh, weights), analysis.memory_summary(compiled)
   arguments = mem["params"] + mem["opt_state"] + mem["batch"]
   temporaries = mem["grads"] + mem["activations"]
-  rows = [(f"memory: {key}", value, None) for key, value in mem.items()]
-  rows += [("memory: arguments (params + opt_state + batch)", arguments, measured["argument_bytes"]),
-           ("memory: temporaries (grads + activations)", temporaries, measured["temp_bytes"]),
-           ("memory: peak (arguments + temporaries)", arguments + temporaries, measured["peak_bytes"])]
+  rows = [(f"memory: {key}", value, None, None) for key, value in mem.items()]
+  rows += [("memory: arguments (params + opt_state + batch)", arguments, measured["argument_bytes"], None),
+           ("memory: temporaries (grads + activations)", temporaries, measured["temp_bytes"], None),
+           ("memory: peak (arguments + temporaries)", arguments + temporaries, measured["peak_bytes"], None)]
   predicted = estimate.collectives(config, mesh, weights)
-  sent = analysis.traffic_per_step(found)
-  for kind, axes in sorted(set(predicted) | set(sent)):
-    rows.append((f"{kind} over {axes}", predicted.get((kind, axes), 0), sent.get((kind, axes), 0)))
-  rows.append(("collectives: total", sum(predicted.values()), sum(sent.values())))
+  sent, backend = analysis.traffic_per_step(found), analysis.traffic_per_step(found_backend)
+  for kind, axes in sorted(set(predicted) | set(sent) | set(backend)):
+    rows.append((f"{kind} over {axes}", predicted.get((kind, axes), 0), sent.get((kind, axes), 0),
+                 backend.get((kind, axes), 0)))
+  rows.append(("collectives: total", sum(predicted.values()), sum(sent.values()), sum(backend.values())))
   return rows
 
 
 def format_comparison(rows) -> str:
-  lines = [f"{'per device':<50}{'estimate MiB':>14}{'compiled MiB':>14}{'ratio':>8}"]
-  for what, guess, actual in rows:
+  lines = [f"{'per device':<50}{'estimate MiB':>14}{'compiled MiB':>14}{'ratio':>8}{'CPU backend MiB':>17}"]
+  for what, guess, actual, backend in rows:
     compiled = "" if actual is None else f"{actual / MiB:14.2f}"
     ratio = f"{actual / guess:8.2f}" if actual and guess else ""
-    lines.append(f"{what:<50}{guess / MiB:14.2f}{compiled:>14}{ratio}")
+    cpu = "" if backend is None else f"{backend / MiB:17.2f}"
+    lines.append(f"{what:<50}{guess / MiB:14.2f}{compiled:>14}{ratio:>8}{cpu}")
   return "\n".join(lines)
 
 
 def report(layout: Layout, config) -> str:
   """Parameter count, estimated beside compiled per-device memory and collective bytes, and each collective."""
-  compiled = compile_train_step(layout, config)
-  found = analysis.collectives(compiled, layout.mesh)
+  compiled, partitioned = compile_partitioned_train_step(layout, config)
+  found = analysis.collectives(compiled, layout.mesh, partitioned)
+  found_backend = analysis.collectives(compiled, layout.mesh)
   mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.shape.items())
   lines = [f"parameters: {param_count(layout):,}", f"mesh: {mesh} ({layout.mesh.size} devices)",
-           "memory (compiled: memory_analysis()) and collective bytes sent per step (compiled: "
-           "ring traffic of the HLO's collectives, loop bodies times their trips):",
-           format_comparison(comparison(config, dict(layout.mesh.shape), compiled, found)),
-           "collectives in the compiled train step:", analysis.summary_table(found)]
+           "memory (compiled: memory_analysis()) and collective bytes sent per step (ring traffic of the "
+           "HLO's collectives, loop bodies times their trips; compiled: the program as partitioned, what a "
+           "GPU or TPU compiler receives, with its all-reduce + dynamic-slice pairs read as reduce-scatters "
+           "and chained all-reduces as one; CPU backend: after this CPU's own passes, which widen bf16 "
+           "all-reduces to float32 and form no reduce-scatters):",
+           format_comparison(comparison(config, dict(layout.mesh.shape), compiled, found, found_backend)),
+           "collectives in the partitioned train step:", analysis.summary_table(found)]
   return "\n".join(lines)
