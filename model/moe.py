@@ -28,9 +28,14 @@ EXPERT_AXES = (None, "batch", None, "embed")  # tokens laid out per expert: (exp
 
 def capacity(cfg: ModelConfig, group_size: int) -> int:
   """Slots per expert per group: capacity_factor x the fair share k T / E; the whole group when dropless."""
-  if cfg.moe_dropless:
+  return slots(group_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_capacity_factor, cfg.moe_dropless)
+
+
+def slots(group_size: int, experts: int, top_k: int, capacity_factor: float, dropless: bool) -> int:
+  """capacity() from the numbers alone, for estimates that have a run config rather than a model."""
+  if dropless:
     return group_size  # an expert can be chosen at most once per token
-  return min(group_size, math.ceil(cfg.moe_capacity_factor * group_size * cfg.moe_top_k / cfg.num_experts))
+  return min(group_size, math.ceil(capacity_factor * group_size * top_k / experts))
 
 
 def route(logits_BTE, positions_T, cfg: ModelConfig):

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from model import moe
 from model.config import VOCAB_MULTIPLE
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
@@ -222,6 +223,7 @@ def collectives(config, mesh: dict, weights: list[Weight]) -> dict[tuple[str, st
   _tensor_parallel(config, mesh, traffic)
   _pipeline(config, mesh, weights, traffic)
   _context(config, mesh, traffic)
+  _experts(config, mesh, traffic)
   return {key: value for key, value in traffic.items() if value}
 
 
@@ -247,7 +249,8 @@ def _gradients(config, mesh, weights, traffic):
     fsdp = zero == 3 and DATA in sharded_over(w, mesh, rules.weight_rules(3))
     scatter = DATA in token_axes and DATA in sharded_over(w, mesh, rules.optimizer_rules(zero))
     uses = 2 if tied and w.axes == ("vocab", "embed") and not scatter else 1
-    replicas = token_axes - ({DATA} if scatter else set())
+    # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
+    replicas = token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({DATA} if scatter else set())
     grad = used
     if scatter:
       traffic[("reduce-scatter", DATA)] += accum * uses * _gather(used, mesh[DATA])
@@ -356,3 +359,20 @@ def _context(config, mesh, traffic):
     traffic[("all-to-all", SEQUENCE)] += (forward + backward) * layers * _gather(2 * q + 2 * kv, shards)
   else:
     raise ValueError(f"attention.context={strategy!r} has no collective estimate.")
+
+
+def _experts(config, mesh, traffic):
+  """Expert parallelism (parallel/experts.py): per MoE layer, the tokens laid out per expert.
+
+  Each device's (E, batch, capacity, embed) slots, in the compute dtype,
+  cross one all-to-all over `expert` to their experts and one back, forward
+  and again backward; capacity per sequence as model/moe.py sizes it.
+  """
+  if mesh[EXPERT] == 1 or not config.moe.experts:
+    return
+  d, m = dims(config, mesh), config.moe
+  forward, backward = _layer_passes(config, mesh)
+  layers = config.model.num_layers // m.every // mesh[PIPELINE]
+  capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
+  tokens = m.experts * d.batch * capacity * d.embed * d.compute_bytes
+  traffic[("all-to-all", EXPERT)] += (forward + backward) * layers * 2 * _gather(tokens, mesh[EXPERT])

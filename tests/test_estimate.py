@@ -5,12 +5,12 @@ estimated params + optimizer state + batch against XLA's argument bytes, and
 gradients + activations against its temporary bytes, within 15%. Collectives:
 the bytes each device sends per step, per kind and mesh axes, read off the
 program as partitioned, before the CPU backend's passes (what a GPU or TPU
-compiler receives, parallel/analysis.py), within 15%.
+compiler receives, parallel/analysis.py), within 10%.
 
 BY_HAND holds, worked out by hand, the textbook figures the estimate must
 equal exactly. Where the compiled program does something other than the
 textbook layout, the estimate stays textbook and BY_HAND also holds what the
-program sends instead (which it must send within 15%), one documented rewrite
+program sends instead (which it must send within 10%), one documented rewrite
 (also listed in the README):
 - pipeline: autodiff through the tick loop all-reduces the stage weights'
   gradient over `data` in every tick instead of once, and sums the stage
@@ -25,7 +25,8 @@ from parallel import analysis, estimate
 from training.dry_run import compile_partitioned_train_step, model_weights
 from training.state import plan
 
-TOLERANCE = 0.15
+TOLERANCE = 0.15  # memory
+COLLECTIVE_TOLERANCE = 0.10
 LAYOUTS = {
     "data=8": {"mesh.data": 8},
     "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2},
@@ -33,6 +34,7 @@ LAYOUTS = {
     "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4},
     "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2},
     "data=2 x sequence=4": {"mesh.data": 2, "mesh.sequence": 4},
+    "moe data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4},
 }
 
 
@@ -45,7 +47,7 @@ LAYOUTS = {
 # device sends (parallel/estimate.py): all-reduce 2N(D-1)/D, all-gather and reduce-scatter N(D-1)/D.
 
 # layout -> (the textbook estimate, what the compiled program sends or None for the textbook, keys it adds
-# that stay under 15% of it)
+# that stay under 10% of it)
 BY_HAND = {
     "fsdp data=8": (
         # Gradients with an `embed` axis reduce-scattered, the table's two uses summed first:
@@ -80,6 +82,12 @@ BY_HAND = {
 }
 
 
+# Keys the compiled program adds beside a textbook it otherwise matches: the router's scalar statistics.
+EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")}}
+# The activation estimate does not model MoE's dispatch and combine tensors (1.67x low).
+MEMORY_LAYOUTS = [name for name in LAYOUTS if not name.startswith("moe")]
+
+
 @pytest.fixture(scope="module")
 def compiled():
   """Every layout's config, mesh, weights and compiled train step, compiled once for the module."""
@@ -92,8 +100,8 @@ def compiled():
   return out
 
 
-def assert_close(estimated, measured, what):
-  assert abs(measured - estimated) <= TOLERANCE * measured, (
+def assert_close(estimated, measured, what, tolerance=TOLERANCE):
+  assert abs(measured - estimated) <= tolerance * measured, (
       f"{what}: estimate {estimated:,} vs compiled {measured:,} ({measured / max(estimated, 1):.2f}x)")
 
 
@@ -106,7 +114,7 @@ def test_textbook_gpt2_1558m_on_one_device():
     assert 5.8e9 < value < 6.5e9, memory
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", MEMORY_LAYOUTS)
 def test_memory_estimate_matches_compiled(name, compiled):
   config, mesh, weights, (program, _), _ = compiled[name]
   memory, measured = estimate.memory(config, mesh, weights), analysis.memory_summary(program)
@@ -122,15 +130,24 @@ def test_collective_estimate_is_the_textbook_by_hand(name):
   assert estimate.collectives(config, mesh, model_weights(config)) == BY_HAND[name][0]
 
 
+def test_expert_all_to_all_estimate_by_hand():
+  # 4 experts, top-2, capacity ceil(1.25 x 32 tokens x 2 / 4) = 20 slots per sequence; 16 / (2 x 4) = 2
+  # sequences per device: 4 x 2 x 20 x 64 x 4 bytes = 40960 per all-to-all, sending 3/4 of it; two
+  # all-to-alls each way per layer, forward and backward, 2 layers: 2 x 2 x 2 x 30720.
+  config = tiny_config(**LAYOUTS["moe data=2 x expert=4"])
+  sent = estimate.collectives(config, dict(plan(config).mesh.shape), model_weights(config))
+  assert sent[("all-to-all", "expert")] == 245760
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_collective_estimate_matches_compiled(name, compiled):
   config, mesh, weights, (program, partitioned), mesh_object = compiled[name]
   textbook = estimate.collectives(config, mesh, weights)
-  _, expected, extra = BY_HAND.get(name, (None, None, set()))
+  _, expected, extra = BY_HAND.get(name, (None, None, EXTRA_KEYS.get(name, set())))
   expected = expected or textbook  # where the program departs from the textbook: what it sends instead
   found = analysis.collectives(program, mesh_object, partitioned)
   sent, table = analysis.traffic_per_step(found), analysis.summary_table(found)
   assert set(sent) - extra == set(expected), table
   for key in expected:
-    assert_close(expected[key], sent[key], f"{name} {key}")
-  assert sum(sent[key] for key in extra) <= TOLERANCE * sum(sent.values()), table
+    assert_close(expected[key], sent[key], f"{name} {key}", COLLECTIVE_TOLERANCE)
+  assert sum(sent[key] for key in extra) <= COLLECTIVE_TOLERANCE * sum(sent.values()), table
