@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,6 +84,42 @@ def test_a_damaged_checkpoint_is_refused_and_resuming_before_it_sets_it_aside(tm
   train(config_for(tmp_path, steps=20, resume="10"))
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "15", "20"]
   assert [p.name for p in (tmp_path / "checkpoints_set_aside").glob("*/*")] == ["15"]
+
+
+def test_a_checkpoint_damaged_into_finite_values_is_refused_by_its_fingerprint(trained, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  config = config_for(tmp_path)
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  state = checkpoints.restore(10, abstract_inputs(plan(config), config)[0])
+  positions = jax.device_get(state["params"]["embed"]["positions"])
+  checkpoints.close()
+  # Flip the lowest bit of one stored float: one ulp, still finite, the file's size unchanged.
+  stored = positions[-1, :8].tobytes()
+  flipped = 0
+  for path in (tmp_path / "checkpoints" / "10" / "state").rglob("d/*"):
+    data = bytearray(path.read_bytes())
+    if (at := data.find(stored)) >= 0:
+      data[at] ^= 1
+      path.write_bytes(data)
+      flipped += 1
+  assert flipped, "the positions' bytes are not stored as they are; find another way to damage them"
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* has changed since it was saved \(params/embed/"
+                                       r"positions does not match its fingerprint\), so it is damaged; .* "
+                                       r"--config.resume=5\.$"):
+    train(config_for(tmp_path, steps=20))
+  assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_saved_before_fingerprints_restores_on_its_finiteness_alone(trained, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  shutil.rmtree(tmp_path / "checkpoints" / "10" / "fingerprints")  # as written before they existed
+  config = config_for(tmp_path)
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  state = checkpoints.restore(10, abstract_inputs(plan(config), config)[0])
+  assert checkpoints.changed_leaf(10, state) is None
+  assert checkpoints.changed_leaf(5, state) == "params/blocks/attn/out_bias"  # those of 5 are there
+  checkpoints.close()
 
 
 def test_a_second_run_in_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
