@@ -9,6 +9,7 @@ complete, so a run killed mid-save leaves the previous checkpoint readable.
 """
 
 import contextlib
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ class Checkpoints:
     self._state_bytes = 0  # of the last state saved: what a failed save needed
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                            enable_async_checkpointing=True)
+    logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
@@ -134,6 +136,22 @@ class Checkpoints:
 
   def close(self) -> None:
     self._manager.close()
+    logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
+
+
+class _QuietFailedSaves(logging.Filter):
+  """Drops orbax's own reports of a failed async save, a traceback each from several threads
+  (over 300 lines for a full disk): `_reporting_failed_saves` reports the failure in one line."""
+
+  _REPORTS = ("_SignalingThread.run() raised an exception", "Handler Commit operations or the Commit callback",
+              "Save Finalize thread")
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname
+                and any(report in record.getMessage() for report in self._REPORTS))
+
+
+_QUIET_FAILED_SAVES = _QuietFailedSaves()
 
 
 def _check_same_shapes(stored, abstract_state, where: str) -> None:
