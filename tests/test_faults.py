@@ -112,6 +112,11 @@ def test_a_checkpoint_damaged_into_finite_values_is_refused_by_its_fingerprint(t
                                        r"positions does not match its fingerprint\), so it is damaged; .* "
                                        r"--config.resume=5\.$"):
     train(config_for(tmp_path, steps=20))
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* \(params/embed/positions does not match its "
+                                       r"fingerprint\); it was left untouched: use another step\.$"):
+    checkpoints.restore_params(10, abstract_inputs(plan(config), config)[0]["params"])  # sample.py's, export's
+  checkpoints.close()
   assert snapshot(tmp_path) == before
 
 
