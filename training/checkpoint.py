@@ -2,9 +2,9 @@
 
 A checkpoint holds the whole train state (params, optimizer state, step, the
 count of skipped non-finite updates), the config as JSON, and a fingerprint of
-each state leaf (training/fingerprint.py) that a restore checks the bytes against. Data needs no
-iterator state: batch `s` is a pure function of (seed, s), and the seed is in
-the config. Orbax writes each step into a temporary folder and renames it when
+each state leaf (training/fingerprint.py) that a restore checks the bytes
+against. Data needs no iterator state: batch `s` is a pure function of
+(seed, s), and the seed is in the config. Orbax writes each step into a temporary folder and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint readable.
 """
 
