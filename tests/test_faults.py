@@ -1,7 +1,11 @@
 """Faults never cost saved work: bad checkpoints are refused, non-finite steps never land, signals save."""
 
+import functools
 import json
 import os
+import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from conftest import tiny_config
@@ -85,6 +90,47 @@ def test_a_damaged_checkpoint_is_refused_and_resuming_before_it_sets_it_aside(tm
   assert [p.name for p in (tmp_path / "checkpoints_set_aside").glob("*/*")] == ["15"]
 
 
+def test_a_checkpoint_damaged_into_finite_values_is_refused_by_its_fingerprint(trained, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  config = config_for(tmp_path)
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  state = checkpoints.restore(10, abstract_inputs(plan(config), config)[0])
+  positions = jax.device_get(state["params"]["embed"]["positions"])
+  checkpoints.close()
+  # Flip the lowest bit of one stored float: one ulp, still finite, the file's size unchanged.
+  stored = positions[-1, :8].tobytes()
+  flipped = 0
+  for path in (tmp_path / "checkpoints" / "10" / "state").rglob("d/*"):
+    data = bytearray(path.read_bytes())
+    if (at := data.find(stored)) >= 0:
+      data[at] ^= 1
+      path.write_bytes(data)
+      flipped += 1
+  assert flipped, "the positions' bytes are not stored as they are; find another way to damage them"
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* has changed since it was saved \(params/embed/"
+                                       r"positions does not match its fingerprint\), so it is damaged; .* "
+                                       r"--config.resume=5\.$"):
+    train(config_for(tmp_path, steps=20))
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* \(params/embed/positions does not match its "
+                                       r"fingerprint\); it was left untouched: use another step\.$"):
+    checkpoints.restore_params(10, abstract_inputs(plan(config), config)[0]["params"])  # sample.py's, export's
+  checkpoints.close()
+  assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_saved_before_fingerprints_restores_on_its_finiteness_alone(trained, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  shutil.rmtree(tmp_path / "checkpoints" / "10" / "fingerprints")  # as written before they existed
+  config = config_for(tmp_path)
+  checkpoints = Checkpoints(str(tmp_path), every=5, keep=3)
+  state = checkpoints.restore(10, abstract_inputs(plan(config), config)[0])
+  assert checkpoints.changed_leaf(10, state) is None
+  assert checkpoints.changed_leaf(5, state) == "params/blocks/attn/out_bias"  # those of 5 are there
+  checkpoints.close()
+
+
 def test_a_second_run_in_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
   lock = tmp_path / "run.lock"
   lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live holder
@@ -156,6 +202,18 @@ def test_keep_below_one_is_refused_before_anything_is_written(tmp_path):
   assert snapshot(tmp_path) == before
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+  """The runs started below load what the first one compiled from JAX's persistent cache (set up
+  through the environment they inherit; this process's JAX read it at import): what they test is
+  restarting, and a restart spends most of its time compiling on a busy CPU."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    yield
+
+
 def start_train(workdir, *flags):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
              "--xla_backend_optimization_level=0")
@@ -219,6 +277,74 @@ def test_sigkill_loses_only_the_steps_since_the_last_checkpoint(tmp_path):
   assert all(losses_after[s] == losses_before[s] for s in losses_before if s <= 30)
 
 
+SHORT_RUN = ("--config.steps=24", "--config.log_every=1", "--config.checkpoint.every=4", "--config.batch_size=8",
+             "--config.model.max_len=32")
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory):
+  """Waits for and returns the workdir of an uninterrupted SHORT_RUN, started as soon as a test asks
+  for it so that it runs beside that test's own runs (two cores)."""
+  workdir = tmp_path_factory.mktemp("reference")
+  process = start_train(workdir, *SHORT_RUN)
+
+  @functools.cache
+  def finished():
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return workdir
+  yield finished
+  process.kill()
+  process.wait()
+
+
+def curve(workdir):
+  """(step, loss, grad_norm) of every logged step."""
+  records = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+  return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+
+def saved_state(workdir, step):
+  return jax.device_get(ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state"))
+
+
+def test_sigkill_at_random_moments_ends_as_if_never_killed(short_reference, tmp_path):
+  rng = random.Random(15)
+  for _ in range(3):
+    # A random step past any seen so far, then a random fraction of a step: mid-step, mid-save or mid-log.
+    target = max(logged_steps(tmp_path), default=0) + rng.randint(1, 6)
+    process = start_train(tmp_path, *SHORT_RUN)
+    wait_for(lambda: process.poll() is not None or max(logged_steps(tmp_path), default=0) >= target)
+    assert process.poll() is None, process.communicate()[1]
+    time.sleep(rng.uniform(0, 0.3))
+    process.kill()
+    process.wait()
+  process = start_train(tmp_path, *SHORT_RUN)
+  out, err = process.communicate(timeout=300)
+  assert process.returncode == 0, err
+  assert "resuming from step" in out
+  reference = short_reference()
+  assert curve(tmp_path) == curve(reference)  # every step once, to the same bits
+  jax.tree.map(np.testing.assert_array_equal, saved_state(tmp_path, 24), saved_state(reference, 24))
+
+
+def test_two_runs_started_in_one_workdir_one_wins_the_other_names_it(short_reference, tmp_path):
+  first = start_train(tmp_path, *SHORT_RUN)
+  time.sleep(0.5)
+  second = start_train(tmp_path, *SHORT_RUN)
+  results = {p: p.communicate(timeout=300) for p in (first, second)}
+  assert sorted(p.returncode == 0 for p in results) == [False, True], [err[-300:] for _, err in results.values()]
+  winner, loser = sorted(results, key=lambda p: p.returncode)
+  assert results[loser][1].strip().splitlines() == [
+      f"error: {tmp_path} is in use by the run of pid {winner.pid} on {socket.gethostname()} "
+      f"({tmp_path / 'run.lock'}); wait for it to end or choose another --config.workdir (delete the "
+      "lock only if that run is gone)."]
+  reference = short_reference()
+  assert curve(tmp_path) == curve(reference)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(os.listdir(reference / "checkpoints"))
+  jax.tree.map(np.testing.assert_array_equal, saved_state(tmp_path, 24), saved_state(reference, 24))
+
+
 @pytest.fixture
 def small_disk(tmp_path):
   """A 700 KiB tmpfs: room for the logs, not for a checkpoint of the tiny model (1.4 MiB)."""
@@ -236,3 +362,14 @@ def test_a_full_disk_stops_the_run_at_the_first_failed_save(small_disk):
                                        r"and 0\.[0-6] MiB are free\. The newest saved checkpoint is none"):
     train(config_for(small_disk / "run", steps=20))
   assert not (small_disk / "run" / "run.lock").exists()
+
+
+def test_train_py_reports_a_full_disk_in_its_own_line_alone(small_disk):
+  process = start_train(small_disk / "run", "--config.steps=20")
+  _, err = process.communicate(timeout=300)
+  assert process.returncode == 1
+  # What is left of stderr without tqdm's bar (redrawn with carriage returns): orbax's tracebacks
+  # from its save threads, if any got through, and our line.
+  lines = [line.strip() for line in re.split(r"[\r\n]", err) if line.strip() and not re.match(r"\s*\d+%\|", line)]
+  assert len(lines) == 1, lines[:5]
+  assert lines[0].startswith(f"error: saving a checkpoint into {small_disk}/run/checkpoints failed (")

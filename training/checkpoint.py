@@ -1,19 +1,23 @@
 """Orbax checkpoints: async saves, the last k kept, exact resume, and restore onto any mesh.
 
 A checkpoint holds the whole train state (params, optimizer state, step, the
-count of skipped non-finite updates) and the config as JSON. Data needs no
-iterator state: batch `s` is a pure function of (seed, s), and the seed is in
-the config. Orbax writes each step into a temporary folder and renames it when
+count of skipped non-finite updates), the config as JSON, and a fingerprint of
+each state leaf (training/fingerprint.py) that a restore checks the bytes
+against. Data needs no iterator state: batch `s` is a pure function of
+(seed, s), and the seed is in the config. Orbax writes each step into a temporary folder and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint readable.
 """
 
 import contextlib
+import logging
 import shutil
 import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+
+from training.fingerprint import fingerprints
 
 
 class Checkpoints:
@@ -25,9 +29,11 @@ class Checkpoints:
     self._state_bytes = 0  # of the last state saved: what a failed save needed
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                            enable_async_checkpointing=True)
+    logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+                       "fingerprints": ocp.JsonCheckpointHandler()})
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -51,9 +57,11 @@ class Checkpoints:
       return
     self.directory.mkdir(parents=True, exist_ok=True)
     self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    prints = _named_fingerprints(state)
     with self._reporting_failed_saves():  # orbax also raises an earlier async save's error here
       self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        config=ocp.args.JsonSave(config.to_dict())),
+                                                        config=ocp.args.JsonSave(config.to_dict()),
+                                                        fingerprints=ocp.args.JsonSave(prints)),
                          force=True)
 
   def check(self) -> None:
@@ -96,8 +104,24 @@ class Checkpoints:
     item = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)
-    return self._read(step, lambda: ocp.PyTreeCheckpointer().restore(
+    params = self._read(step, lambda: ocp.PyTreeCheckpointer().restore(
         self.directory / str(step) / "state", args=args)["params"])
+    changed = self.changed_leaf(step, {"params": params})
+    if changed:
+      raise ValueError(f"checkpoint step {step} in {self.directory} has changed since it was saved "
+                       f"({changed} does not match its fingerprint); it was left untouched: use another step.")
+    return params
+
+  def changed_leaf(self, step: int, restored) -> str | None:
+    """The first leaf of `restored` (all or part of the state of `step`) whose fingerprint differs
+    from the one saved with it, or None. A checkpoint saved before fingerprints existed has none to
+    compare: it passes here, and only the finiteness check guards it."""
+    if not (self.directory / str(step) / "fingerprints").is_dir():
+      return None
+    saved = self._read(step, lambda: self._manager.restore(
+        step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))["fingerprints"])
+    now = _named_fingerprints(restored)
+    return next((name for name in _weights_first(now) if saved.get(name) != now[name]), None)
 
   def _read(self, step: int, read):
     try:
@@ -112,6 +136,22 @@ class Checkpoints:
 
   def close(self) -> None:
     self._manager.close()
+    logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
+
+
+class _QuietFailedSaves(logging.Filter):
+  """Drops orbax's own reports of a failed async save, a traceback each from several threads
+  (over 300 lines for a full disk): `_reporting_failed_saves` reports the failure in one line."""
+
+  _REPORTS = ("_SignalingThread.run() raised an exception", "Handler Commit operations or the Commit callback",
+              "Save Finalize thread")
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname
+                and any(report in record.getMessage() for report in self._REPORTS))
+
+
+_QUIET_FAILED_SAVES = _QuietFailedSaves()
 
 
 def _check_same_shapes(stored, abstract_state, where: str) -> None:
@@ -122,12 +162,21 @@ def _check_same_shapes(stored, abstract_state, where: str) -> None:
     missing = sorted(wanted_leaves.keys() - stored_leaves.keys())
     raise ValueError(f"{where} holds a different model (missing {missing[:3]}, unexpected "
                      f"{extra[:3]}); use the config it was written with or another workdir.")
-  for name in sorted(wanted_leaves, key=lambda n: not n.startswith("params")):  # name weights first
+  for name in _weights_first(wanted_leaves):
     wanted = wanted_leaves[name]
     if tuple(stored_leaves[name].shape) != tuple(wanted.shape):
       raise ValueError(f"{where} holds {name} with shape {tuple(stored_leaves[name].shape)}, but "
                        f"this config needs {tuple(wanted.shape)}; use the config it was written "
                        "with or another workdir.")
+
+
+def _weights_first(names) -> list[str]:
+  """Leaf names with the params first: the leaf a user recognises is the one to name."""
+  return sorted(names, key=lambda n: not n.startswith("params"))
+
+
+def _named_fingerprints(state) -> dict[str, int]:
+  return {name: int(value) for name, value in _leaves_by_name(jax.device_get(fingerprints(state))).items()}
 
 
 def _leaves_by_name(tree) -> dict:

@@ -69,11 +69,14 @@ def train(config, dry_run: bool = False) -> dict:
 def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
   """Restores `step`, refusing a damaged one; later checkpoints (another timeline) are set aside."""
   state = checkpoints.restore(step, abstract_state)
-  if not bool(jax.jit(all_finite)(state)):
+  changed = checkpoints.changed_leaf(step, state)  # bytes damaged into values that may well be finite
+  damage = (f"has changed since it was saved ({changed} does not match its fingerprint)" if changed else
+            None if bool(jax.jit(all_finite)(state)) else "holds non-finite values")
+  if damage:
     earlier = [s for s in checkpoints.steps() if s < step]
     hint = f"--config.resume={earlier[-1]}" if earlier else "another --config.workdir"
-    raise ValueError(f"checkpoint step {step} in {checkpoints.directory} holds non-finite values, so it "
-                     f"is damaged; it was left untouched: resume from an earlier one with {hint}.")
+    raise ValueError(f"checkpoint step {step} in {checkpoints.directory} {damage}, so it is damaged; "
+                     f"it was left untouched: resume from an earlier one with {hint}.")
   # Left in place, a later step would never be rewritten (its number is taken) and would outlive
   # the good checkpoints in rotation; moved aside, it is kept but out of this run's way.
   moved, folder = checkpoints.set_aside_after(step)
