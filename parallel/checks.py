@@ -65,6 +65,11 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
         f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "
         f"micro-batches that split over data x expert = {data_parallel}; use a batch that is a "
         f"multiple of {max(micro, 1) * data_parallel}.")
+  if schedule != "1f1b" and (batch // data_parallel) % stages:
+    raise ValueError(
+        f"{schedule} runs the head on 1/{stages} of each data-parallel shard's rows, but the shard's "
+        f"{batch // data_parallel} sequences do not split over mesh.pipeline={stages}; use a batch that "
+        f"is a multiple of {stages * data_parallel} (per grad_accum micro-batch).")
   if schedule == "1f1b" and model.compute_dtype == "float16":
     raise ValueError(
         "pipeline.schedule=1f1b differentiates stage by stage and does not scale the loss, which "

@@ -183,12 +183,14 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
   if mesh[PIPELINE] == 1:
     return layers * saved + working + loss
   stages, micro = mesh[PIPELINE], config.pipeline.microbatches
-  # Loss and embedding run on the whole batch outside the stage loop.
-  loss *= micro
   if config.pipeline.schedule == "1f1b":
-    # Stashed stage inputs; each backward slot recomputes one stage's forward.
-    return (schedules.stash_slots(stages) * d.activation_bytes(d.embed)
-            + layers * _layer_saved_bytes(config, d, weights) + loss)
+    # Each stashed micro-batch's residuals; the weights' casts to the compute dtype are kept once.
+    casts = layers * _cast_weight_bytes(config, mesh, weights) if (
+        config.model.remat == "none" and d.compute_bytes < 4) else 0
+    return (schedules.stash_slots(stages=stages, micro=micro) * (layers * saved - casts) + casts
+            + working + micro * loss)
+  # The head runs after the stage loop on 1/P of the batch's rows.
+  loss = loss * micro // stages
   virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
   ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
   # Autodiff through the tick loop saves every tick's stage activations, bubble ticks
@@ -237,9 +239,12 @@ def _gradients(config, mesh, weights, traffic):
   forward loop and once in the backward loop, the rest once. Each micro-batch
   of gradient accumulation reduces its own gradients. A tied embedding is used
   twice (lookup and head): XLA all-reduces the two uses' gradients apart,
-  but sums them before a reduce-scatter.
+  but sums them before a reduce-scatter. A pipeline (parallel/pipeline.py)
+  reduces once per step what its devices summed locally: the weights outside
+  the stages over `pipeline` as well (the tied embedding's two uses
+  together), and under ZeRO-3 gathers every weight once.
   """
-  zero, accum = config.sharding.zero, config.grad_accum
+  zero, accum, pipelined = config.sharding.zero, config.grad_accum, mesh[PIPELINE] > 1
   param_bytes = MASTER_BYTES
   token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
   tied = config.model.family == "gpt2"
@@ -248,9 +253,11 @@ def _gradients(config, mesh, weights, traffic):
     used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
     fsdp = zero == 3 and DATA in sharded_over(w, mesh, rules.weight_rules(3))
     scatter = DATA in token_axes and DATA in sharded_over(w, mesh, rules.optimizer_rules(zero))
-    uses = 2 if tied and w.axes == ("vocab", "embed") and not scatter else 1
+    uses = 2 if tied and w.axes == ("vocab", "embed") and not (scatter or pipelined) else 1
     # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
-    replicas = token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({DATA} if scatter else set())
+    # Under a pipeline the weights outside the stages are also summed over `pipeline`.
+    replicas = ((token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({DATA} if scatter else set()))
+                | ({PIPELINE} if pipelined and not w.stacked else set()))
     grad = used
     if scatter:
       traffic[("reduce-scatter", DATA)] += accum * uses * _gather(used, mesh[DATA])
@@ -261,21 +268,19 @@ def _gradients(config, mesh, weights, traffic):
     if scatter and zero == 1:
       traffic[("all-gather", DATA)] += _gather(used, mesh[DATA])
     if fsdp:
-      traffic[("all-gather", DATA)] += accum * (2 if w.stacked else 1) * _gather(used, mesh[DATA])
+      traffic[("all-gather", DATA)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(used, mesh[DATA])
 
 
 def _layer_passes(config, mesh) -> tuple[int, int]:
   """(forward, backward) runs of one device's layers per step, counted in micro-batches.
 
-  Recomputation (a remat policy, or 1F1B's backward slot) runs the forward again.
+  Recomputation (a remat policy) runs the forward again.
   """
   accum, stages = config.grad_accum, mesh[PIPELINE]
   if stages == 1:
     forward = accum
   elif config.pipeline.schedule == "1f1b":
-    # Idle slots are skipped; every backward slot recomputes its stage's forward.
-    micro = config.pipeline.microbatches
-    return accum * 2 * micro, accum * micro
+    forward = accum * config.pipeline.microbatches  # idle slots are skipped
   else:
     virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
     # Every tick runs the stage (bubble ticks on zeros), and autodiff differentiates every tick.
@@ -293,7 +298,8 @@ def _tensor_parallel(config, mesh, traffic):
   Megatron-LM. Outside the layers: the vocabulary-sharded embedding lookup
   forward (float32: the table is gathered before the cast), the head's input
   gradient backward (compute dtype), and the softmax's max, sum and the
-  loss's contraction over the vocabulary, each a float32 value per token.
+  loss's contraction over the vocabulary, each a float32 value per token;
+  gpipe and interleaved run the head on 1/P of the rows on each stage.
   """
   if mesh[TENSOR] == 1:
     return
@@ -301,20 +307,21 @@ def _tensor_parallel(config, mesh, traffic):
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
   per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
-  outside = d.tokens * (d.embed * 4 + 4 * 4) + d.activation_bytes(d.embed)
+  head_rows = mesh[PIPELINE] if config.pipeline.schedule != "1f1b" else 1
+  outside = d.tokens * d.embed * 4 + (d.tokens * 4 * 4 + d.activation_bytes(d.embed)) // head_rows
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))
 
 
 def _pipeline(config, mesh, weights, traffic):
-  """Stage-to-stage hand-offs of one micro-batch's activations, and the shares around the stage loop.
+  """Stage-to-stage hand-offs of one micro-batch's activations, and the head's rows.
 
-  gpipe / interleaved: one permute per tick forward and its transpose backward;
-  the last stage's outputs are summed over `pipeline` so every stage holds them
-  for the head, and the gradient of the stage inputs likewise. 1f1b: a forward
-  and a backward permute per tick; the loss, the head and embedding gradients
-  and the input gradients are summed over `pipeline` once.
+  gpipe / interleaved: one permute per tick forward and its transpose
+  backward; an all-to-all scatters the last stage's outputs over the stages
+  for the head, and its transpose brings their gradients back. 1f1b: a
+  forward and a backward permute per tick. (The gradients' reduction is
+  `_gradients`'.)
   """
   stages = mesh[PIPELINE]
   if stages == 1:
@@ -323,13 +330,10 @@ def _pipeline(config, mesh, weights, traffic):
   hop = d.activation_bytes(d.embed)
   if config.pipeline.schedule == "1f1b":
     ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
-    shared = sum(shard_elements(w, mesh, rules.weight_rules(config.sharding.zero))
-                 for w in weights if not w.stacked) * MASTER_BYTES
-    traffic[("all-reduce", PIPELINE)] += accum * (_all_reduce(shared + micro * hop, stages))
   else:
     virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
     ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
-    traffic[("all-reduce", PIPELINE)] += accum * 2 * _all_reduce(micro * hop, stages)
+    traffic[("all-to-all", PIPELINE)] += accum * 2 * _gather(micro * hop, stages)
   traffic[("collective-permute", PIPELINE)] += accum * 2 * ticks * hop
 
 

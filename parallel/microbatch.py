@@ -1,6 +1,5 @@
 """Split a batch into micro-batches without moving data between devices."""
 
-import jax
 import jax.numpy as jnp
 
 from parallel import rules
@@ -14,8 +13,7 @@ def split(x_B, count: int, mesh):
   """
   x_bkX = x_B.reshape(x_B.shape[0] // count, count, *x_B.shape[1:])
   x_kbX = jnp.swapaxes(x_bkX, 0, 1)
-  return jax.lax.with_sharding_constraint(x_kbX, rules.named(mesh, None, "batch", "length",
-                                                             *(None,) * (x_B.ndim - 2)))
+  return rules.constrain(x_kbX, mesh, (None, "batch", "length", *(None,) * (x_B.ndim - 2)))
 
 
 def merge(x_kbX):

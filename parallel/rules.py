@@ -69,15 +69,24 @@ def shardings(logical_tree, mesh, rules):
 
 def activation_sharding(mesh, rules=ACTIVATION_RULES):
   """While tracing under this context, `constrain` in the model pins activations to the mesh."""
+  return activation_resolver(lambda x, logical_axes: constrain(x, mesh, logical_axes, rules))
 
-  def resolve(x, logical_axes):
-    # Inside a shard_map the context mesh marks its manual axes (e.g. `pipeline`
-    # in a pipeline stage); constraints there must be stated on that mesh.
-    context = jax.sharding.get_abstract_mesh()
-    target = mesh if context.empty else context
-    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec(logical_axes, rules)))
 
-  return activation_resolver(resolve)
+def constrain(x, mesh, logical_axes, rules=ACTIVATION_RULES):
+  """`x` pinned to the sharding its logical axes ask for, on the mesh being traced.
+
+  Inside a shard_map the context mesh marks its manual axes (a pipeline stage's
+  `pipeline`, `data` and `expert`): constraints there are stated on that mesh and
+  name only its automatic axes, the manual ones being the map's own business.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  if context.empty:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes, rules)))
+  manual = set(context.manual_axes)
+  automatic = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual)
+  entries = [automatic(e) for e in spec(logical_axes, rules)]
+  target = P(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(context, target))
 
 def named(mesh, *logical_axes) -> NamedSharding:
   """The sharding of an activation-like array (e.g. a batch) with these logical axes."""

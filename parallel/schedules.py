@@ -11,7 +11,7 @@ tables printed are the schedule the code runs.
 - 1f1b: every tick each stage has one forward slot and one backward slot:
   forward of micro-batch t - p and backward of micro-batch t - (2P - 2 - p), so
   the last stage turns each micro-batch round at once and stage p keeps at
-  most 2(P - 1 - p) + 1 inputs waiting for their backward pass. Forwards run
+  most 2(P - 1 - p) + 1 micro-batches waiting for their backward pass. Forwards run
   on ticks 0 .. M+P-2 and backwards on ticks P-1 .. M+2P-3, so the run lasts
   (M + P - 1) forward and (M + P - 1) backward slot-times: GPipe's bubble.
 """
@@ -48,9 +48,9 @@ def one_f_one_b_ticks(*, stages: int, micro: int) -> int:
   return micro + 2 * stages - 2
 
 
-def stash_slots(stages: int) -> int:
-  """Inputs stage 0 keeps for its backward pass: 2P - 1, however many micro-batches there are."""
-  return 2 * stages - 1
+def stash_slots(*, stages: int, micro: int) -> int:
+  """Micro-batches stage 0 holds between their forward and backward slots: 2P - 1, or M if fewer."""
+  return min(2 * stages - 1, micro)
 
 
 def timeline(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> list[list[str]]:

@@ -47,6 +47,8 @@ def test_unknown_logical_axis_is_named():
     ({"pipeline.schedule": "1f1b", "pipeline.microbatches": 2, "model.num_layers": 4}, {"pipeline": 4},
      "1f1b needs at least as many micro-batches as stages"),
     ({"pipeline.schedule": "zigzag"}, {"pipeline": 2}, "pipeline.schedule='zigzag' is unknown"),
+    ({"pipeline.microbatches": 2, "model.num_layers": 4}, {"pipeline": 4, "data": 8},
+     "gpipe runs the head on 1/4 of each data-parallel shard's rows, but the shard's 2 sequences"),
 ])
 def test_model_that_does_not_divide_is_refused(overrides, shape, says):
   config = tiny_config(**overrides)

@@ -48,17 +48,14 @@ def schedule_grad_fn(layout: Layout, scale=None):
 
   With a loss `scale` the gradients are of scale x loss (float16 loss scaling); the loss returned
   is unscaled. The pipeline schedules run dense models only (parallel/checks.py), so their
-  statistics are empty, and 1F1B, which differentiates stage by stage, runs unscaled.
+  statistics are empty.
   """
-  if layout.schedule == "1f1b":
-    def one_f_one_b(p, b):
-      loss, grads = pipeline.one_f_one_b_loss_and_grads(layout, p, b)
+  if layout.schedule != "none":
+    def pipelined(p, b):
+      loss, grads = pipeline.loss_and_grads(layout, p, b, scale)
       return (loss, {}), grads
-    return one_f_one_b
-  if layout.schedule in ("gpipe", "interleaved"):
-    loss_of = lambda p, b: (pipeline.circular_loss(layout, p, b), {})
-  else:
-    loss_of = lambda p, b: objective(layout, p, b)
+    return pipelined
+  loss_of = lambda p, b: objective(layout, p, b)
   if scale is None:
     return jax.value_and_grad(loss_of, has_aux=True)
 
