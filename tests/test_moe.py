@@ -14,9 +14,10 @@ from model.config import ModelConfig
 import moe_reference
 from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
 from parallel import analysis
-from parallel.mesh import EXPERT
+from parallel.mesh import DATA, EXPERT
 from test_collectives import compiled_forward
 from test_equivalence import assert_tree_close, setup
+from tools import moe_memory
 from training.dry_run import compile_train_step
 from training.loop import train
 from training.state import active_param_count, param_count, plan
@@ -195,6 +196,43 @@ def test_expert_parallel_matches_single_device(name, references):
   assert_tree_close(grads, ref_grads, "gradient")
 
 
+# Sharded runs of the sorted dispatch against the one-hot reference on one device, for the settings
+# the expert-parallel layouts above leave out: top-1, dropless (ragged_dot on one expert shard, the
+# C = T slot layout across shards) and capacity, both families.
+REFERENCE_LAYOUTS = {
+    "gpt2 top-1 dropless, expert=2 x tensor=2 x data=2": (
+        {"moe.experts": 8, "moe.top_k": 1, "moe.dropless": True},
+        {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2}),
+    "gpt2 top-2 dropless, data=4 x tensor=2": (
+        {"moe.experts": 8, "moe.top_k": 2, "moe.dropless": True}, {"mesh.tensor": 2, "mesh.data": 4}),
+    "llama top-2 dropless, expert=4 x data=2": (
+        {**LLAMA_MOE, "moe.dropless": True}, {"mesh.expert": 4, "mesh.data": 2}),
+    "llama top-1 capacity, expert=2 x tensor=2 x data=2": (
+        {**LLAMA_MOE, "moe.top_k": 1}, {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2}),
+}
+
+
+@pytest.mark.parametrize("name", REFERENCE_LAYOUTS)
+def test_sharded_sorted_dispatch_equals_the_one_hot_reference(name, monkeypatch):
+  model_overrides, layout_overrides = REFERENCE_LAYOUTS[name]
+  (loss, stats), grads = router_run({**model_overrides, **layout_overrides}, jax.devices())
+  with monkeypatch.context() as patch:
+    patch.setattr(MoE, "__call__", moe_reference.call)
+    (ref_loss, ref_stats), ref_grads = router_run({**model_overrides, "mesh.data": 1}, jax.devices()[:1])
+  assert model_overrides.get("moe.dropless") or ref_stats["moe_dropped"] > 0.05
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for key, value in ref_stats.items():
+    np.testing.assert_allclose(stats[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+def test_dropless_grouped_matmul_keeps_the_batch_sharded():
+  config = tiny_config(**{"moe.experts": 8, "moe.dropless": True, "mesh.tensor": 2, "mesh.data": 4})
+  layout = plan(config)
+  found = analysis.collectives(compile_train_step(layout, config), layout.mesh)
+  assert analysis.count_by(found, kind="all-gather", axes=DATA) == 0, analysis.summary_table(found)
+
+
 def test_expert_parallel_step_dispatches_with_all_to_all():
   config = tiny_config(**{**GPT2_MOE, "mesh.expert": 4, "mesh.data": 2})
   layout = plan(config)
@@ -206,6 +244,19 @@ def test_expert_parallel_step_dispatches_with_all_to_all():
   step = analysis.collectives(compile_train_step(layout, config), layout.mesh)
   # The backward pass sends the gradients back along the same two routes.
   assert analysis.count_by(step, kind="all-to-all", axes=EXPERT, in_loop=True) == 4, analysis.summary_table(step)
+
+
+@pytest.mark.parametrize("family, dropless", [("gpt2", False), ("llama", True)])
+def test_layer_temporaries_grow_linearly_in_the_sequence(family, dropless):
+  cfg = moe_memory.layer_config(family, embed=64, mlp=256, experts=8, top_k=2, capacity_factor=1.0,
+                                dropless=dropless)
+  (temp, flops), (temp_2t, flops_2t) = moe_memory.measure(cfg, 512), moe_memory.measure(cfg, 1024)
+  # One-hot dispatch held (B, T, E, C) tensors with C ~ T: 3.8x (capacity) and 2.8x (dropless) here.
+  assert temp_2t <= 2.2 * temp, (temp, temp_2t)
+  assert flops_2t == pytest.approx(flops, rel=1e-3)  # no term of the work grows faster than T
+  if not dropless:
+    # Capacity factor 1.0: k T slots, so the experts do the active work; one-hot dispatch did 2.4x at T=512.
+    assert 1.0 <= flops <= 1.2, flops
 
 
 def test_flops_count_active_parameters_only():
@@ -239,6 +290,8 @@ def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
     ({"moe.experts": 4, "moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be positive"),
     ({"moe.experts": 4, "moe.every": 3}, "moe.every=3 does not divide model.num_layers=2"),
     ({"moe.experts": 4, "mesh.pipeline": 2, "mesh.data": 4}, "moe.experts=4 with mesh.pipeline=2"),
+    ({"moe.experts": 4, "moe.dropless": True, "precision.compute": "float8"},
+     "moe.dropless=True with precision.compute=float8"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
   with pytest.raises(ValueError, match=message.replace(".", r"\.")):
