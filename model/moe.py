@@ -154,17 +154,17 @@ class MoE(nnx.Module):
     weights, run = self._expert_weights(), expert_strategy()
     if cfg.moe_dropless and run is None:  # every choice kept: the sorted tokens, one group per expert
       x_BJD = _gather_rows(x_BTD.astype(dtype), routing.sorted_BJ // cfg.moe_top_k)
-      y_BJD = self.experts(x_BJD, *weights, groups=routing)
+      y_BRD = self.experts(x_BJD, *weights, groups=routing)  # row j: the j-th sorted choice
       rows_BTK, kept_BTK = routing.slot_BTK + _per_choice(routing.starts_BE, routing.experts_BTK), 1.0
     else:
       slots = capacity(cfg, x_BTD.shape[1])
       x_EBCD = constrain(dispatch(x_BTD.astype(dtype), routing, slots), EXPERT_AXES)
       y_EBCD = self.experts(x_EBCD, *weights) if run is None else run(self.experts, x_EBCD, weights)
       e, b, _, d = y_EBCD.shape
-      y_BJD = jnp.moveaxis(constrain(y_EBCD, EXPERT_AXES), 0, 1).reshape(b, e * slots, d)
+      y_BRD = jnp.moveaxis(constrain(y_EBCD, EXPERT_AXES), 0, 1).reshape(b, e * slots, d)  # row e C + c
       kept_BTK = routing.slot_BTK < slots
       rows_BTK = routing.experts_BTK * slots + jnp.minimum(routing.slot_BTK, slots - 1)
-    y_BTD = combine(y_BJD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
+    y_BTD = combine(y_BRD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
     stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]
     return y_BTD, stats
 
