@@ -106,6 +106,9 @@ class ModelConfig:
     if not self.moe_dropless and self.moe_capacity_factor <= 0:
       raise ValueError(f"moe.capacity_factor={self.moe_capacity_factor} must be positive (1.0 is each "
                        "expert's fair share, 1.25 is usual); set moe.dropless=True to drop nothing.")
+    if self.moe_dropless and self.fp8:
+      raise ValueError("moe.dropless=True with precision.compute=float8: the dropless experts run as grouped "
+                       "matmuls (ragged_dot), which have no fp8 path; use a capacity factor or bfloat16.")
     if self.moe_every < 1 or self.num_layers % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

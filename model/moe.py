@@ -7,12 +7,19 @@ most `capacity` of them; the rest are dropped (they pass through the residual
 connection unchanged). The groups never depend on the mesh, so every layout
 routes and drops exactly the same tokens.
 
-The expert computation goes through the `expert_strategy` hook: on one device
-it is a batched matmul over the expert axis; parallel/experts.py installs an
-all-to-all dispatch when experts are sharded over `expert`.
+Dispatch is by index, never by one-hot: one sort of a group's k T choices by
+(expert, round, position) lists each expert's choices in rank order, so memory
+and work grow linearly in the sequence. With a capacity, tokens are gathered
+into C slots per expert per group, (E, batch, C, embed), and the experts run as
+a batched matmul; dropless, the sorted tokens run as grouped matmuls
+(`ragged_dot`), one group per expert. The expert computation on slots goes
+through the `expert_strategy` hook: parallel/experts.py installs an all-to-all
+dispatch when experts are sharded over `expert`; there dropless uses the slot
+layout with C = T, the most one group can send one expert.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +31,9 @@ from model.sharding_hooks import constrain, expert_strategy
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
 EXPERT_AXES = (None, "batch", None, "embed")  # tokens laid out per expert: (expert, batch, capacity, embed)
+# ragged_dot_general on rows (batch, rows, embed) sorted by expert, one list of group sizes per sequence.
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([2], [1]), ([], [])),
+                                             lhs_ragged_dimensions=[1], rhs_group_dimensions=[0])
 
 
 def capacity(cfg: ModelConfig, group_size: int) -> int:
@@ -38,34 +48,47 @@ def slots(group_size: int, experts: int, top_k: int, capacity_factor: float, dro
   return min(group_size, math.ceil(capacity_factor * group_size * top_k / experts))
 
 
+class Routing(NamedTuple):
+  """Where a group's k T choices go, as indices (choice j = t k + i is token t's i-th choice)."""
+  experts_BTK: jax.Array  # the expert of each choice
+  weights_BTK: jax.Array  # its weight in the combine, float32
+  slot_BTK: jax.Array  # its rank among its expert's choices in the group
+  sorted_BJ: jax.Array  # the group's choices in expert order, each expert's in rank order
+  starts_BE: jax.Array  # where each expert's choices begin in sorted_BJ
+  counts_BE: jax.Array  # how many choices each expert got
+
+
 def route(logits_BTE, positions_T, cfg: ModelConfig):
-  """Dispatch and combine tensors (B, T, E, C) and the router statistics, all in float32."""
+  """The routing of each group's choices and the router statistics, all from float32 logits."""
   b, t, e = logits_BTE.shape
-  k, slots = cfg.moe_top_k, capacity(cfg, t)
+  k = cfg.moe_top_k
   probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
   weights_BTK, experts_BTK = _top_k(probs_BTE, k)
   if k > 1:  # the chosen experts' weights sum to one (GShard, Mixtral)
     weights_BTK = weights_BTK / weights_BTK.sum(-1, keepdims=True)
-  chosen_KBTE = jnp.moveaxis(jax.nn.one_hot(experts_BTK, e, dtype=jnp.float32), 2, 0)
-  # Slot of each choice in its expert: the choices ranked before it, all of earlier rounds and
-  # this round's at earlier positions. Positions, not array order, rank tokens, so a reordered
-  # sequence (zig-zag ring) drops the same ones; a product, not a sort, keeps `batch` sharded.
-  earlier_TS = (positions_T[None, :] < positions_T[:, None]).astype(jnp.float32)
-  per_round_KBE = chosen_KBTE.sum(2)
-  earlier_rounds_KBE = jnp.cumsum(per_round_KBE, axis=0) - per_round_KBE
-  slot_KBTE = jnp.einsum("kbse,ts->kbte", chosen_KBTE, earlier_TS) + earlier_rounds_KBE[:, :, None]
-  kept_KBTE = chosen_KBTE * (slot_KBTE < slots)
-  slot_KBTEC = jax.nn.one_hot(slot_KBTE.astype(jnp.int32), slots, dtype=jnp.float32) * kept_KBTE[..., None]
-  dispatch_BTEC = slot_KBTEC.sum(0)
-  combine_BTEC = jnp.einsum("kbtec,btk->btec", slot_KBTEC, weights_BTK)
-  fraction_E = chosen_KBTE.sum((0, 1, 2)) / (b * t * k)  # f_i: share of the k B T choices that went to expert i
+  # Rank by (expert, round, position): positions, not array order, so a reordered sequence (zig-zag
+  # ring) drops the same tokens. The sort runs along each group, so `batch` stays sharded.
+  position_rank_T = jnp.argsort(jnp.argsort(positions_T))
+  key_BTK = (experts_BTK * k + jnp.arange(k)) * t + position_rank_T[:, None]
+  sorted_BJ = jnp.argsort(key_BTK.reshape(b, t * k), axis=-1)
+  counts_BE = jnp.sum(jax.nn.one_hot(experts_BTK, e, dtype=jnp.int32), axis=(1, 2))
+  starts_BE = jnp.cumsum(counts_BE, axis=-1) - counts_BE
+  place_BJ = jnp.argsort(sorted_BJ, axis=-1)  # each choice's place in the sorted list
+  slot_BTK = place_BJ.reshape(b, t, k) - _per_choice(starts_BE, experts_BTK)
+  fraction_E = counts_BE.sum(0) / (b * t * k)  # f_i: share of the k B T choices that went to expert i
   stats = {
       "moe_balance_loss": e * jnp.sum(fraction_E * probs_BTE.mean((0, 1))),  # = 1 when perfectly balanced
       "moe_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
-      "moe_dropped": 1.0 - kept_KBTE.sum() / (b * t * k),
+      "moe_dropped": 1.0 - jnp.minimum(counts_BE, capacity(cfg, t)).sum() / (b * t * k),
       "expert_load": fraction_E,  # x k B T gives the token counts; 1/E each when balanced
   }
-  return dispatch_BTEC, combine_BTEC, stats
+  return Routing(experts_BTK, weights_BTK, slot_BTK, sorted_BJ, starts_BE, counts_BE), stats
+
+
+def _per_choice(per_expert_BE, experts_BTK):
+  """Each choice's entry of a per-expert, per-group array."""
+  b, t, k = experts_BTK.shape
+  return jnp.take_along_axis(per_expert_BE, experts_BTK.reshape(b, t * k), axis=1).reshape(b, t, k)
 
 
 def _top_k(probs_BTE, k: int):
@@ -78,6 +101,38 @@ def _top_k(probs_BTE, k: int):
     experts.append(best_BT)
     probs_BTE = jnp.where(jax.nn.one_hot(best_BT, probs_BTE.shape[-1], dtype=bool), -1.0, probs_BTE)
   return jnp.stack(weights, -1), jnp.stack(experts, -1)
+
+
+def _gather_rows(x_BSD, rows_BR):
+  """x_BSD[b, rows_BR[b]]: a gather within each group, so XLA keeps `batch` sharded."""
+  return jnp.take_along_axis(x_BSD, rows_BR[..., None], axis=1)
+
+
+def dispatch(x_BTD, routing: Routing, slots: int):
+  """Tokens in their experts' slots, (E, B, C, D); a slot past its expert's count holds zeros."""
+  b, t, k = routing.experts_BTK.shape
+  e = routing.counts_BE.shape[1]
+  slot_C = jnp.arange(slots)
+  filled_BEC = slot_C < routing.counts_BE[..., None]
+  place_BEC = jnp.minimum(routing.starts_BE[..., None] + slot_C, t * k - 1)
+  choice_BR = jnp.take_along_axis(routing.sorted_BJ, place_BEC.reshape(b, e * slots), axis=1)
+  x_BRD = _gather_rows(x_BTD, choice_BR // k) * filled_BEC.reshape(b, e * slots, 1)
+  return jnp.moveaxis(x_BRD.reshape(b, e, slots, -1), 1, 0)
+
+
+def combine(y_BRD, row_BTK, kept_BTK, weights_BTK, dtype):
+  """Each token's sum of its kept choices' rows of y_BRD, weighted by the router, in float32."""
+  b, t, k = row_BTK.shape
+  y_BTKD = _gather_rows(y_BRD, row_BTK.reshape(b, t * k)).reshape(b, t, k, -1)
+  return jnp.einsum("btkd,btk->btd", y_BTKD.astype(jnp.float32), weights_BTK * kept_BTK).astype(dtype)
+
+
+def grouped_matmul(sizes_BE, dtype):
+  """Rows sorted by expert (B, R, D) times per-expert weights (E, D, F): ragged_dot, float32 accumulation."""
+  def dot(x_BRD, w_EDF):
+    return jax.lax.ragged_dot_general(x_BRD.astype(dtype), w_EDF.astype(dtype), sizes_BE, _GROUPED,
+                                      preferred_element_type=jnp.float32).astype(dtype)
+  return dot
 
 
 class MoE(nnx.Module):
@@ -100,12 +155,21 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, positions_T):
     cfg, dtype = self.cfg, self.cfg.dtype
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
-    dispatch_BTEC, combine_BTEC, stats = route(logits_BTE, positions_T, cfg)
-    x_EBCD = constrain(matmul("btec,btd->ebcd", dispatch_BTEC, x_BTD, dtype), EXPERT_AXES)
-    weights = self._expert_weights()
-    run = expert_strategy()
-    y_EBCD = self.experts(x_EBCD, *weights) if run is None else run(self.experts, x_EBCD, weights)
-    y_BTD = matmul("btec,ebcd->btd", combine_BTEC, constrain(y_EBCD, EXPERT_AXES), dtype)
+    routing, stats = route(logits_BTE, positions_T, cfg)
+    weights, run = self._expert_weights(), expert_strategy()
+    if cfg.moe_dropless and run is None:  # every choice kept: the sorted tokens, one group per expert
+      x_BJD = _gather_rows(x_BTD.astype(dtype), routing.sorted_BJ // cfg.moe_top_k)
+      y_BRD = self.experts(x_BJD, *weights, groups=routing)  # row j: the j-th sorted choice
+      rows_BTK, kept_BTK = routing.slot_BTK + _per_choice(routing.starts_BE, routing.experts_BTK), 1.0
+    else:
+      slots = capacity(cfg, x_BTD.shape[1])
+      x_EBCD = constrain(dispatch(x_BTD.astype(dtype), routing, slots), EXPERT_AXES)
+      y_EBCD = self.experts(x_EBCD, *weights) if run is None else run(self.experts, x_EBCD, weights)
+      e, b, _, d = y_EBCD.shape
+      y_BRD = jnp.moveaxis(constrain(y_EBCD, EXPERT_AXES), 0, 1).reshape(b, e * slots, d)  # row e C + c
+      kept_BTK = routing.slot_BTK < slots
+      rows_BTK = routing.experts_BTK * slots + jnp.minimum(routing.slot_BTK, slots - 1)
+    y_BTD = combine(y_BRD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
     stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]
     return y_BTD, stats
 
@@ -114,18 +178,23 @@ class MoE(nnx.Module):
       return self.gate_kernel[...], self.up_kernel[...], self.down_kernel[...]
     return self.up_kernel[...], self.up_bias[...], self.down_kernel[...], self.down_bias[...]
 
-  def experts(self, x_EBCD, *weights):
-    """Each expert's feed-forward layer on its own slots; the expert axis may be a local shard."""
+  def experts(self, x, *weights, groups: Routing | None = None):
+    """Each expert's feed-forward layer: on its slots x_EBCD (the expert axis may be a local shard), or
+    with `groups`, on rows x_BJD sorted by expert."""
     dtype, fp8 = self.cfg.dtype, self.cfg.fp8
+    if groups is None:
+      dot = lambda x_EBCD, w_EDF: matmul("ebcd,edf->ebcf", x_EBCD, w_EDF, dtype, fp8)
+      bias = lambda b_EF: b_EF[:, None, None].astype(dtype)
+    else:
+      dot = grouped_matmul(groups.counts_BE, dtype)
+      expert_BJ = jnp.take_along_axis(groups.experts_BTK.reshape(x.shape[:2]), groups.sorted_BJ, axis=1)
+      bias = lambda b_EF: b_EF[expert_BJ].astype(dtype)
     if self.gated:
       gate_EDF, up_EDF, down_EFD = weights
-      h_EBCF = jax.nn.silu(matmul("ebcd,edf->ebcf", x_EBCD, gate_EDF, dtype, fp8)) * matmul(
-          "ebcd,edf->ebcf", x_EBCD, up_EDF, dtype, fp8)
-      return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype, fp8)
+      return dot(jax.nn.silu(dot(x, gate_EDF)) * dot(x, up_EDF), down_EFD)
     up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h_EBCF = matmul("ebcd,edf->ebcf", x_EBCD, up_EDF, dtype, fp8) + up_bias_EF[:, None, None].astype(dtype)
-    h_EBCF = jax.nn.gelu(h_EBCF, approximate=True)
-    return matmul("ebcf,efd->ebcd", h_EBCF, down_EFD, dtype, fp8) + down_bias_ED[:, None, None].astype(dtype)
+    h = jax.nn.gelu(dot(x, up_EDF) + bias(up_bias_EF), approximate=True)
+    return dot(h, down_EFD) + bias(down_bias_ED)
 
 
 def feed_forward(layer, x_BTD, positions_T):

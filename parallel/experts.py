@@ -8,6 +8,12 @@ experts; the experts run; a second all-to-all trades back. `tensor` stays
 under GSPMD inside, so the experts' hidden dimension is Megatron-sharded over
 `tensor` as a dense MLP's is.
 
+Dropless routing uses the same fixed-size format with C = T slots per expert
+per sequence: an expert is chosen at most once per token, so no group can send
+one expert more, and the all-to-all needs no sizes exchanged first. Its cost
+is E T rows per sequence where k T are filled (E / k times the expert work of
+the grouped matmuls that dropless runs without expert parallelism).
+
 The map is manual over `data` too, each device's rows local: left to GSPMD,
 an all-to-all along a dimension also split over `data` first gathers it over
 `data`. The expert weights enter replicated over `data`, which under FSDP is
