@@ -180,6 +180,31 @@ def _uses(lines) -> dict[str, list[tuple[str, int, int]]]:
   return dict(uses)
 
 
+_DOT = re.compile(r"\bdot\(%([\w.\-]+), %([\w.\-]+)\).*?lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def matmul_flops(compiled, partitioned: str) -> int:
+  """FLOPs of the dots in one device's program as partitioned: 2 x result elements x contracted size each,
+  loop bodies times their trips (read off `compiled` as `collectives` does).
+
+  `compiled.cost_analysis()` also reports per-device FLOPs, but counts a while
+  loop's body once whatever its trips (a scanned layer stack as one layer).
+  A dot in a conditional's branch counts every time the conditional runs.
+  """
+  _, _, trips, where = _loop_nesting(partitioned, _trip_counts(compiled.as_text()))
+  lines = partitioned.splitlines()
+  types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, lines) if m}
+  total = 0
+  for line_number, line in enumerate(lines):
+    if dot := _DOT.search(line):
+      lhs, _, contracting = dot.groups()
+      lhs_dims = _ints(re.search(r"\[([^\]]*)\]", types[lhs]).group(1))
+      result_dims = _ints(re.search(r"\[([^\]]*)\]", _DEFINITION.match(line).group(2)).group(1))
+      contracted = int(np.prod([lhs_dims[i] for i in _ints(contracting)], dtype=np.int64))
+      total += 2 * int(np.prod(result_dims, dtype=np.int64)) * contracted * trips.get(where[line_number], 1)
+  return total
+
+
 def _trip_counts(compiled_text: str) -> dict[str, int]:
   """Known trip counts of a compiled program's while loops, by body name without `wide.` prefixes."""
   counts = {}

@@ -235,8 +235,9 @@ def _gradients(config, mesh, weights, traffic):
   ZeRO-0 all-reduces each gradient. With ZeRO-1/3 a weight whose moments live
   on `data` has its gradient reduce-scattered there (the other token axes
   all-reduce the shard); ZeRO-1 then all-gathers the updated weights, ZeRO-3
-  all-gathers each weight where it is used: stacked layers once in the
-  forward loop and once in the backward loop, the rest once. Each micro-batch
+  all-gathers each weight where it is used (in the dtype it is used in):
+  stacked layers once in the forward loop and once in the backward loop, the
+  rest once. Each micro-batch
   of gradient accumulation reduces its own gradients. A tied embedding is used
   twice (lookup and head): XLA all-reduces the two uses' gradients apart,
   but sums them before a reduce-scatter. A pipeline (parallel/pipeline.py)
@@ -268,7 +269,19 @@ def _gradients(config, mesh, weights, traffic):
     if scatter and zero == 1:
       traffic[("all-gather", DATA)] += _gather(used, mesh[DATA])
     if fsdp:
-      traffic[("all-gather", DATA)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(used, mesh[DATA])
+      gathered = used // param_bytes * _gathered_bytes(config, w, weights)
+      traffic[("all-gather", DATA)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[DATA])
+
+
+def _gathered_bytes(config, w: Weight, weights: list[Weight]) -> int:
+  """Bytes per element ZeRO-3 gathers a weight in: the partitioner gathers after the cast where it is used.
+
+  The layers' matrices and the head (GPT-2's tied table: gathered once, cast for the logits; its
+  lookup reads the table's local columns) multiply in the compute dtype; norms, biases and the
+  position table are gathered as float32 (norms compute in float32; biases are a few KiB).
+  """
+  multiplied = (w.stacked and _is_matrix(w)) or w in _head(config, weights)
+  return _compute_bytes(config) if multiplied else MASTER_BYTES
 
 
 def _layer_passes(config, mesh) -> tuple[int, int]:
@@ -380,3 +393,104 @@ def _experts(config, mesh, traffic):
   capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
   tokens = m.experts * d.batch * capacity * d.embed * d.compute_bytes
   traffic[("all-to-all", EXPERT)] += (forward + backward) * layers * 2 * _gather(tokens, mesh[EXPERT])
+
+
+def _is_matrix(w: Weight) -> bool:
+  """A weight the tokens multiply: an `embed` axis and another beside `layers` and `expert` (not a bias or norm)."""
+  return "embed" in w.axes and any(a not in ("embed", "layers", "expert") for a in w.axes)
+
+
+def _head(config, weights) -> list[Weight]:
+  """The logits' weight: GPT-2's tied token table (vocab, embed), Llama's (embed, vocab) head; a lookup is no matmul."""
+  axes = ("vocab", "embed") if config.model.family == "gpt2" else ("embed", "vocab")
+  return [w for w in weights if w.axes == axes]
+
+
+def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
+  """Forward matmul FLOPs of one device's layers on one micro-batch, by part.
+
+  dense: the layers' weight matrices, 2 FLOPs per element per token (QKV, out, MLP, router); mlp_out, the
+  MLP's output projection, is part of it. scores and values: QK^T and PV over the full T x T, 2 x T x
+  heads x head_dim per token each: XLA's attention masks the causal half rather than skipping it.
+  experts: each device's experts over their capacity slots (E x capacity per sequence of every expert
+  shard's batch); dispatch and combine: the tokens to and from the slots, 2 x E x capacity x embed per
+  token each.
+  """
+  layers = config.model.num_layers // mesh[PIPELINE]
+  matrices = lambda keep: sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
+                              if w.stacked and _is_matrix(w) and keep(w))
+  attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * layers
+  parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),
+           "mlp_out": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("mlp", "embed")),
+           "scores": attention, "values": attention}
+  m = config.moe
+  if m.experts:
+    slots = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
+    moe_layers = layers // m.every
+    parts["experts"] = 2 * mesh[EXPERT] * d.batch * slots * matrices(lambda w: "expert" in w.axes)
+    parts["dispatch"] = parts["combine"] = 2 * d.tokens * m.experts * slots * d.embed * moe_layers
+  return parts
+
+
+def _recomputed(config, parts: dict[str, int]) -> int:
+  """Forward FLOPs the backward pass runs again under model.remat, per micro-batch.
+
+  jax recomputes only what the backward pass reads: never the block's last matmul (the MLP's output
+  projection, or MoE's combine), whose output is only added to the residual. full: the rest of the
+  block. save_dots (weight matmuls saved): the batched dots, attention's QK^T and PV and MoE's
+  dispatch and experts. save_attention and offload (attention's output kept): the rest but PV.
+  """
+  policy, last = config.model.remat, parts.get("combine", parts["mlp_out"])
+  everything = sum(v for k, v in parts.items() if k != "mlp_out")
+  if policy == "none":
+    return 0
+  if policy == "full":
+    return everything - last
+  if policy == "save_dots":
+    return parts["scores"] + parts["values"] + parts.get("dispatch", 0) + parts.get("experts", 0)
+  if policy in ("save_attention", "offload"):
+    return everything - last - parts["values"]
+  raise ValueError(f"model.remat={policy!r} has no FLOPs estimate.")
+
+
+def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
+  """Matmul FLOPs per step of the busiest device, by part: layers, head, recompute, total.
+
+  Every matmul runs forward once and backward twice (the input's gradient and the weight's). The
+  layers run on each micro-batch (a gpipe or interleaved stage on every tick, bubble ticks
+  included; a 1F1B stage only in its busy slots); the head (the logits' matmul, tied to the token
+  table in GPT-2) on the device's whole batch, which under gpipe and interleaved every stage shares
+  (1/P of the rows each) and under 1F1B the last stage runs. The embedding lookup is a gather, no
+  matmul. Recompute: the remat policy's and ring attention's visiting blocks (1F1B stashes its
+  stage's residuals instead of rerunning the forward).
+  """
+  d = dims(config, mesh)
+  _, runs = _layer_passes(config, mesh)  # micro-batches each layer runs forward and backward
+  parts = _stage_forward(config, d, mesh, weights)
+  forward = sum(v for k, v in parts.items() if k != "mlp_out")
+  recompute = _recomputed(config, parts)
+  if d.context == "ring":  # the S - 1 visiting K/V blocks' QK^T, under jax.checkpoint (their PV is an output)
+    recompute += parts["scores"] * (mesh[SEQUENCE] - 1) // mesh[SEQUENCE]
+  head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length
+  if config.pipeline.schedule != "1f1b":
+    head_tokens //= mesh[PIPELINE]
+  head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in _head(config, weights))
+  out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute}
+  return {**out, "total": sum(out.values())}
+
+
+def ideal_flops(config, mesh: dict, weights: list[Weight]) -> int:
+  """The textbook's FLOPs per device per step: the whole step's over every device, remat none.
+
+  6N per token, N the matmul parameters a token uses (the layers' matrices, a MoE layer's top-k
+  experts, and the head; the embedding lookup is no matmul), plus attention's 12 x layers x T x
+  heads x head_dim per token (QK^T and PV over the full T x T, as XLA's masked attention computes
+  them; PaLM's count, and training/metrics.py's MFU).
+  """
+  m = config.model
+  dense = sum(math.prod(w.shape) for w in weights if w.stacked and _is_matrix(w) and "expert" not in w.axes)
+  experts = sum(math.prod(w.shape) for w in weights if w.stacked and _is_matrix(w) and "expert" in w.axes)
+  active = experts * config.moe.top_k // config.moe.experts if config.moe.experts else 0
+  head = sum(math.prod(w.shape) for w in _head(config, weights))
+  per_token = 6 * (dense + active + head) + 12 * m.num_layers * m.max_len * m.embed_dim
+  return config.batch_size * m.max_len * per_token // math.prod(mesh.values())

@@ -5,7 +5,9 @@ estimated params + optimizer state + batch against XLA's argument bytes, and
 gradients + activations against its temporary bytes, within 15%. Collectives:
 the bytes each device sends per step, per kind and mesh axes, read off the
 program as partitioned, before the CPU backend's passes (what a GPU or TPU
-compiler receives, parallel/analysis.py), within 10%.
+compiler receives, parallel/analysis.py), within 10%. FLOPs per device: the
+estimated matmul FLOPs against the partitioned program's dots (loops times
+their trips), within 10% on every layout without a pipeline.
 
 BY_HAND holds, worked out by hand, the textbook figures the estimate must
 equal exactly; the compiled program sends each within 10%, plus only the
@@ -144,3 +146,41 @@ def test_collective_estimate_matches_compiled(name, compiled):
   for key in expected:
     assert_close(expected[key], sent[key], f"{name} {key}", COLLECTIVE_TOLERANCE)
   assert sum(sent[key] for key in extra) <= COLLECTIVE_TOLERANCE * sum(sent.values()), table
+
+
+def test_zero3_gathers_in_the_compute_dtype_by_hand():
+  # bf16 compute, data=8, ZeRO-3: the partitioned program gathers each matrix after its bf16 cast (read off
+  # its HLO: bf16[64,3,4,16], bf16[256,64], ...), norms, biases and positions as float32, and the tied table
+  # once, cast for the head (its lookup reads the local columns). Stacked, forward and backward:
+  # 2 x (2 layers x 49152 matrix elements x 2 bytes + 2 x 6 x 64 vector elements x 4 bytes); once: positions
+  # 32 x 64 x 4, the final LayerNorm 2 x 64 x 4 and the table 256 x 64 x 2; 440832 x 7/8 = 385728
+  # (the compiled program: 385504).
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "precision.compute": "bfloat16"})
+  sent = estimate.collectives(config, dict(plan(config).mesh.shape), model_weights(config))
+  assert sent[("all-gather", "data")] == 385728
+
+
+# FLOPs per device of the tiny GPT-2 at data=8, by hand: 16 x 32 / 8 = 64 tokens per device. Each layer's
+# matrices hold 49152 elements (QKV 64 x 192, out 64 x 64, MLP 64 x 256 twice) and the tied head 256 x 64:
+# 6 x (2 x 49152 + 16384) x 64 = 44040192. Attention's QK^T and PV over the full 32 x 32 (XLA masks the
+# causal half, it does not skip it): 12 x 32 tokens x 64 per token per layer, 12 x 32 x 64 x 2 x 64 =
+# 3145728. In all 47185920; the compiled program's dots: 47251456 (the loss's one-hot contraction beside).
+TINY_DATA8_FLOPS = 47185920
+
+
+def test_flops_estimate_by_hand():
+  config = tiny_config(**LAYOUTS["data=8"])
+  mesh, weights = dict(plan(config).mesh.shape), model_weights(config)
+  assert estimate.flops(config, mesh, weights)["total"] == TINY_DATA8_FLOPS
+  assert estimate.ideal_flops(config, mesh, weights) == TINY_DATA8_FLOPS
+  # remat="full" reruns each layer's forward but its MLP output projection (2 x 64 x 256 x 64 tokens):
+  # 2 layers x (2 x 49152 + 4 x 32 x 64) x 64 - 2 x 2097152 = 9437184 more.
+  config.model.remat = "full"
+  assert estimate.flops(config, mesh, weights)["total"] == TINY_DATA8_FLOPS + 9437184
+
+
+@pytest.mark.parametrize("name", [name for name, overrides in LAYOUTS.items() if "mesh.pipeline" not in overrides])
+def test_flops_estimate_matches_compiled(name, compiled):
+  config, mesh, weights, (program, partitioned), _ = compiled[name]
+  assert_close(estimate.flops(config, mesh, weights)["total"], analysis.matmul_flops(program, partitioned),
+               f"{name} FLOPs", COLLECTIVE_TOLERANCE)

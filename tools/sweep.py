@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
 from tools.recipes import RECIPES, Recipe  # pylint: disable=wrong-import-position
 
 MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
@@ -194,22 +195,13 @@ def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
           f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
 
 
-def replace_block(text: str, name: str, block: str) -> str:
-  """`text` with what lies between `<!-- recipe:NAME -->` and `<!-- /recipe:NAME -->` replaced by `block`."""
-  start, end = f"<!-- recipe:{name} -->", f"<!-- /recipe:{name} -->"
-  pattern = re.compile(f"({re.escape(start)}\n).*?({re.escape(end)})", re.DOTALL)
-  if not pattern.search(text):
-    raise ValueError(f"no {start} ... {end} block to rewrite; put the two markers where the table belongs.")
-  return pattern.sub(lambda match: match.group(1) + block + match.group(2), text, count=1)
-
-
 def write_docs(recipe: Recipe, table: str, docs: Path, readme: Path, command: str) -> None:
   """<docs>/<name>.md, and the same block between the recipe's markers in `readme` (the figure is written)."""
   figure = docs / f"{recipe.name}.png"
   (docs / f"{recipe.name}.md").write_text(recipe_block(recipe, table, figure.name, command))
   link = Path(os.path.relpath(figure.resolve(), readme.resolve().parent)).as_posix()
   block = recipe_block(recipe, table, link, command)
-  readme.write_text(replace_block(readme.read_text(), recipe.name, block))
+  readme.write_text(replace_block(readme.read_text(), f"recipe:{recipe.name}", block))
 
 
 _RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from tools/recipes.py, or all.")
@@ -257,7 +249,7 @@ def check_write(recipes: list[Recipe]) -> None:
   readme = Path(_README.value).read_text()
   for recipe in recipes:
     try:
-      replace_block(readme, recipe.name, "")
+      replace_block(readme, f"recipe:{recipe.name}", "")
     except ValueError as error:
       raise ValueError(f"{_README.value}: {error}") from None
 

@@ -9,6 +9,9 @@ from training.state import Layout, build_model, model_config, param_count
 from training.step import make_train_step
 
 MiB = 2**20
+IDEAL = "ideal: 6N per token + attention, over every device, remat none"
+COMPILED_FLOPS = "compiled: dots of the partitioned program, loops times trips"
+COST_ANALYSIS = "compiled: cost_analysis() (counts each loop body once)"
 
 
 def abstract_inputs(layout: Layout, config):
@@ -73,8 +76,29 @@ def format_comparison(rows) -> str:
   return "\n".join(lines)
 
 
+def flops_rows(config, mesh: dict, compiled, partitioned) -> list[tuple[str, int | None]]:
+  """(what, FLOPs per device per step): the estimate by part, the ideal, and two readings of the program."""
+  weights = model_weights(config)
+  guess = estimate.flops(config, mesh, weights)
+  analysis_flops = (compiled.cost_analysis() or {}).get("flops")
+  return [*((f"estimate: {part}", value) for part, value in guess.items()),
+          (IDEAL, estimate.ideal_flops(config, mesh, weights)),
+          (COMPILED_FLOPS, analysis.matmul_flops(compiled, partitioned)),
+          (COST_ANALYSIS, None if analysis_flops is None else int(analysis_flops))]
+
+
+def format_flops(rows) -> str:
+  values = dict(rows)
+  compiled = values[COMPILED_FLOPS]
+  lines = [f"{'FLOPs per device per step':<66}{'GFLOP':>12}"]
+  lines += [f"{what:<66}{'' if value is None else f'{value / 1e9:12.3f}'}" for what, value in rows]
+  lines.append(f"compiled / estimate {compiled / values['estimate: total']:.3f}, "
+               f"compiled / ideal {compiled / values[IDEAL]:.3f}")
+  return "\n".join(lines)
+
+
 def report(layout: Layout, config) -> str:
-  """Parameter count, estimated beside compiled per-device memory and collective bytes, and each collective."""
+  """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective."""
   compiled, partitioned = compile_partitioned_train_step(layout, config)
   found = analysis.collectives(compiled, layout.mesh, partitioned)
   found_backend = analysis.collectives(compiled, layout.mesh)
@@ -86,5 +110,6 @@ def report(layout: Layout, config) -> str:
            "and chained all-reduces as one; CPU backend: after this CPU's own passes, which widen bf16 "
            "all-reduces to float32 and form no reduce-scatters):",
            format_comparison(comparison(config, dict(layout.mesh.shape), compiled, found, found_backend)),
+           format_flops(flops_rows(config, dict(layout.mesh.shape), compiled, partitioned)),
            "collectives in the partitioned train step:", analysis.summary_table(found)]
   return "\n".join(lines)
