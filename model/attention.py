@@ -1,5 +1,7 @@
 """Causal self-attention: the kernels, the one call the model makes, and GPT-2's attention layer."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,34 +15,150 @@ from model.sharding_hooks import attention_strategy, constrain
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, kernel: str) -> jax.Array:
+def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig) -> jax.Array:
   """Causal attention by token position, with K <= N key/value heads (grouped-query).
 
   Positions, not array order, decide what each query may see: a context
   strategy may reorder the sequence (zig-zag ring attention) and shard it.
   """
   strategy = attention_strategy()
-  if strategy is None:
-    out_BTNH = local_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, kernel=kernel)
+  if strategy is not None:
+    out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
+  elif cfg.attention == "cudnn":
+    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
+    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   else:
-    out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T)
+    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 
-def local_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, *, kernel: str) -> jax.Array:
-  """Attention of local queries over local keys; `kernel` is xla or cudnn."""
-  if kernel == "cudnn":
-    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
-  out_BTNH, _, _ = attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
-  return out_BTNH
+def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int):
+  """Attention in query and key blocks of at most `block` positions: (out, log-sum-exp of each row's scores).
+
+  A sequence no longer than `block` is one block (attention_block, differentiated
+  by autodiff). A longer one runs flash attention's algorithm in plain JAX: an
+  online softmax over key blocks forward, and a backward pass that recomputes
+  each block's probabilities from the saved log-sum-exp, so no T x S scores
+  exist at once and memory grows linearly with the sequence. Blocks are the
+  largest divisors of T and S no longer than `block`.
+  """
+  t, s = q_BTNH.shape[1], k_BSKH.shape[1]
+  blocks = (largest_divisor(t, block), largest_divisor(s, block))
+  if blocks == (t, s):
+    return attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
+  return _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
+
+
+def largest_divisor(length: int, most: int) -> int:
+  """The longest block no longer than `most` that divides `length` evenly."""
+  return max(d for d in range(1, min(length, most) + 1) if length % d == 0)
+
+
+def _split(x, size: int):
+  """(batch, length, ...) as (length / size blocks, batch, size, ...)."""
+  return jnp.moveaxis(x.reshape(x.shape[0], -1, size, *x.shape[2:]), 1, 0)
+
+
+def _unsplit(x):
+  return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
+  return _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)[0]
+
+
+def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
+  q_block, k_block = blocks
+  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block))
+
+  def one_query_block(query):
+    q_bTNH, q_positions_bT = query
+
+    def visit(merged, key):
+      return merge_blocks(merged, attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2])), None
+
+    # The first key block starts the running result (a zero start would lose shard_map's varying axes).
+    first = attention_block(q_bTNH, key_blocks[0][0], key_blocks[1][0], q_positions_bT, key_blocks[2][0])
+    merged, _ = jax.lax.scan(visit, (first[0].astype(jnp.float32), first[1]), tuple(x[1:] for x in key_blocks))
+    return merged
+
+  out_qBTNH, lse_qBKGT = jax.lax.map(one_query_block, (_split(q_BTNH, q_block), q_positions_T.reshape(-1, q_block)))
+  out_BTNH = _unsplit(out_qBTNH).astype(q_BTNH.dtype)
+  lse_BKGT = jnp.moveaxis(lse_qBKGT, 0, -2).reshape(*lse_qBKGT.shape[1:-1], -1)
+  return (out_BTNH, lse_BKGT), (q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT)
+
+
+def _flash_backward(blocks, saved, cotangents):
+  """Flash attention's backward: per block, p = exp(s - lse), then dV, dP, dS = p (dP - D) and dQ, dK.
+
+  D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p.
+  """
+  q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT = saved
+  d_out_BTNH, d_lse_BKGT = cotangents
+  q_block, k_block = blocks
+  b, t, n, h = q_BTNH.shape
+  kv_heads, scale = k_BSKH.shape[2], h ** -0.5
+  grouped = lambda x_BTNH: x_BTNH.reshape(*x_BTNH.shape[:2], kv_heads, n // kv_heads, h)
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  rowsum_BKGT = jnp.einsum("btkgh,btkgh->bkgt", grouped(d_out_BTNH).astype(jnp.float32),
+                           grouped(out_BTNH).astype(jnp.float32)) - d_lse_BKGT
+  stats_BKGT = jnp.stack([lse_BKGT, rowsum_BKGT])  # (2, B, K, G, T): split by query block below
+  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block))
+
+  def one_query_block(d_kv, query):
+    q_bTNH, d_out_bTNH, q_positions_bT, stats_2BKGb = query
+    q_bTKGH, d_out_bTKGH = grouped(q_bTNH), grouped(d_out_bTNH)
+
+    def visit(d_q_bTKGH, key):
+      k_bSKH, v_bSKH, k_positions_bS = key
+      logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
+      visible_bS = k_positions_bS[None, :] <= q_positions_bT[:, None]
+      probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
+      d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
+      d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)
+      d_logits_BKGbS = (probs_BKGbS * (d_probs_BKGbS - stats_2BKGb[1][..., None]) * scale).astype(q_bTNH.dtype)
+      d_q_bTKGH = d_q_bTKGH + f32("bkgts,bskh->btkgh", d_logits_BKGbS, k_bSKH)
+      d_k_bSKH = f32("bkgts,btkgh->bskh", d_logits_BKGbS, q_bTKGH)
+      return d_q_bTKGH, (d_k_bSKH, d_v_bSKH)
+
+    # Zero starts derived from the inputs keep shard_map's varying axes.
+    d_q_bTKGH, (d_k_kBSKH, d_v_kBSKH) = jax.lax.scan(visit, q_bTKGH.astype(jnp.float32) * 0, key_blocks)
+    d_k_BSKH, d_v_BSKH = d_kv
+    return (d_k_BSKH + _unsplit(d_k_kBSKH), d_v_BSKH + _unsplit(d_v_kBSKH)), d_q_bTKGH.reshape(q_bTNH.shape)
+
+  stats_q2BKGb = jnp.moveaxis(stats_BKGT.reshape(*stats_BKGT.shape[:-1], -1, q_block), -2, 0)
+  d_kv_init = (k_BSKH.astype(jnp.float32) * 0, v_BSKH.astype(jnp.float32) * 0)
+  (d_k_BSKH, d_v_BSKH), d_q_qBTNH = jax.lax.scan(
+      one_query_block, d_kv_init,
+      (_split(q_BTNH, q_block), _split(d_out_BTNH, q_block), q_positions_T.reshape(-1, q_block), stats_q2BKGb))
+  return (_unsplit(d_q_qBTNH).astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype),
+          d_v_BSKH.astype(v_BSKH.dtype), None, None)
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
+
+
+def merge_blocks(a, b):
+  """Online softmax: two blocks' (out, log-sum-exp) over disjoint keys as one, out in float32.
+
+  Each partial output is weighted by its share of the merged row's exponentials.
+  """
+  (a_out_BTNH, a_lse_BKGT), (b_out_BTNH, b_lse_BKGT) = a, b
+  batch, t, n, _ = a_out_BTNH.shape
+  lse_BKGT = jnp.logaddexp(a_lse_BKGT, b_lse_BKGT)
+  as_heads = lambda w_BKGT: jnp.moveaxis(w_BKGT, -1, 1).reshape(batch, t, n)[..., None]
+  out_BTNH = (a_out_BTNH.astype(jnp.float32) * as_heads(jnp.exp(a_lse_BKGT - lse_BKGT))
+              + b_out_BTNH.astype(jnp.float32) * as_heads(jnp.exp(b_lse_BKGT - lse_BKGT)))
+  return out_BTNH, lse_BKGT
 
 
 def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
-  """Normalised attention of one query block over one key block, with its softmax statistics.
+  """Normalised attention of one query block over one key block: (out, log-sum-exp of each row's scores).
 
-  Returns (out, row max, row sum of exponentials) so a ring can merge blocks
-  with an online softmax. Everything after the QK product is float32.
+  The log-sum-exp lets blocks over other keys merge in (merge_blocks). A row
+  that sees no key has out 0 and a log-sum-exp near float32's lowest value, so it
+  weighs nothing in a merge. Everything after the QK product is float32.
   """
   b, t, n, h = q_BTNH.shape
   kv_heads = k_BSKH.shape[2]
@@ -51,10 +169,10 @@ def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
   logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   max_BKGT = logits_BKGTS.max(-1)
   exp_BKGTS = jnp.where(visible_TS, jnp.exp(logits_BKGTS - max_BKGT[..., None]), 0.0)
-  sum_BKGT = exp_BKGTS.sum(-1)
-  probs_BKGTS = (exp_BKGTS / jnp.maximum(sum_BKGT, 1e-30)[..., None]).astype(v_BSKH.dtype)
+  sum_BKGT = jnp.maximum(exp_BKGTS.sum(-1), 1e-30)
+  probs_BKGTS = (exp_BKGTS / sum_BKGT[..., None]).astype(v_BSKH.dtype)
   out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-  return out_BTKGH.reshape(b, t, n, h), max_BKGT, sum_BKGT
+  return out_BTKGH.reshape(b, t, n, h), max_BKGT + jnp.log(sum_BKGT)
 
 
 class SelfAttention(nnx.Module):
@@ -76,6 +194,6 @@ class SelfAttention(nnx.Module):
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg.attention)
+    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

@@ -21,6 +21,8 @@ class ModelConfig:
   vocab_size: int
   remat: str = "none"  # none | full | save_dots | save_attention | offload
   attention: str = "xla"  # xla | cudnn
+  attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
+  loss_chunk: int = 256  # positions per chunk of the head and loss (model/transformer.py)
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
@@ -91,6 +93,9 @@ class ModelConfig:
       raise ValueError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}.")
     if self.attention not in ("xla", "cudnn"):
       raise ValueError(f"model.attention={self.attention!r} is unknown; use xla or cudnn.")
+    for field in ("attention_block", "loss_chunk"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"model.{field}={getattr(self, field)} must be a positive number of positions.")
     if self.num_experts:
       self._check_moe()
     if self.compute_dtype not in COMPUTE_DTYPES:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.attention import attention_block
+from model.attention import blockwise_attention
 from model.config import ModelConfig
 from model.sharding_hooks import constrain, context_strategy
 from model.transformer import ACTIVATION_AXES
@@ -34,7 +34,7 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
   def unit(x_BTD, block, k_lBSKH, v_lBSKH):
     written = {"k": [], "v": []}
 
-    def cached_attention(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T):
+    def cached_attention(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block):
       layer, start = len(written["k"]), positions_T[0]  # the unit's layers attend in order
       k_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(
           k_lBSKH[layer], new_k_BTKH.astype(k_lBSKH.dtype), start, axis=1), CACHE_AXES)
@@ -43,7 +43,7 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
       written["k"].append(k_BSKH)
       written["v"].append(v_BSKH)
       slot_positions_S = jnp.arange(k_BSKH.shape[1])
-      out_BTNH, _, _ = attention_block(q_BTNH, k_BSKH, v_BSKH, positions_T, slot_positions_S)
+      out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, slot_positions_S, block)
       return out_BTNH
 
     with context_strategy(cached_attention):

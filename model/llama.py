@@ -56,7 +56,7 @@ class Attention(nnx.Module):
     q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
-    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg.attention)
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg)
     return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, cfg.fp8)
 
 

@@ -40,7 +40,7 @@ def attention_strategy() -> Strategy | None:
 
 
 def context_strategy(strategy: Strategy):
-  """While tracing under this, attention calls `strategy(q, k, v, positions)` instead of local math."""
+  """While tracing under this, attention calls `strategy(q, k, v, positions, block=...)` instead of local math."""
   return _installed(_strategy, strategy)
 
 

@@ -79,13 +79,65 @@ def masked_vocab(logits_BTV, cfg: ModelConfig):
   return jnp.where(real_V, logits_BTV, jnp.finfo(jnp.float32).min)
 
 
-def cross_entropy(logits_BTV, targets_BT):
-  """Mean next-token cross-entropy in float32."""
-  logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-  # A one-hot contraction rather than a gather: with `vocab` sharded it is a
-  # local product and one reduction, which every partitioner handles.
-  targets_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logprobs_BTV.dtype)
-  return -jnp.einsum("btv,btv->bt", logprobs_BTV, targets_BTV).mean()
+def token_losses(logits_BTV, targets_BT):
+  """Each position's next-token cross-entropy in float32: log-sum-exp minus the target's logit."""
+  # Compare-and-select rather than a gather: with `vocab` sharded it is a local
+  # select and one reduction, which every partitioner handles.
+  is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
+  target_logit_BT = jnp.where(is_target_BTV, logits_BTV, 0.0).sum(-1)
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+
+
+def chunk_count(length: int, chunk: int) -> int:
+  """Chunks of at most `chunk` positions that divide `length` evenly."""
+  return next(c for c in range(-(-length // chunk), length + 1) if length % c == 0)
+
+
+def chunked_cross_entropy(model, x_BTD, targets_BT):
+  """Mean next-token cross-entropy, the head and loss run on one chunk of positions at a time.
+
+  Float32 logits exist for one chunk at a time (B x T/C x V, not B x T x V).
+  Chunk c holds positions c, c+C, c+2C, ...: strided, so a `length` sharded
+  over `sequence` stays sharded within every chunk. Each chunk's gradient
+  is taken in the forward pass (a custom VJP) and the backward pass only
+  scales it, so the logits are neither kept nor recomputed.
+  """
+  b, t, d = x_BTD.shape
+  chunks = chunk_count(t, model.cfg.loss_chunk)
+  graphdef, stack, head = nnx.split(model, nnx.PathContains(STACKED), ...)
+  to_chunks = lambda x: jnp.moveaxis(x.reshape(b, t // chunks, chunks, *x.shape[2:]), 2, 0)
+
+  def loss_sum(head, stack, x_BtD, targets_Bt):
+    return token_losses(nnx.merge(graphdef, stack, head).logits(x_BtD), targets_Bt).sum()
+
+  # The stack and targets are arguments, not closed over: a custom VJP may not close over traced values.
+  @jax.custom_vjp
+  def mean_loss(head, x_BTD, stack, targets_BT):
+    losses = jax.lax.map(lambda chunk: loss_sum(head, stack, *chunk), (to_chunks(x_BTD), to_chunks(targets_BT)))
+    return losses.sum() / (b * t)
+
+  def forward(head, x_BTD, stack, targets_BT):
+    chunk_grads = lambda chunk: jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, *chunk)
+
+    def one_chunk(carry, chunk):
+      loss, (d_head, d_x_BtD) = chunk_grads(chunk)
+      return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], d_head)), d_x_BtD
+
+    chunks_cB = (to_chunks(x_BTD), to_chunks(targets_BT))
+    # The first chunk starts the sums (a zero start would lose shard_map's varying axes).
+    loss, (d_head, d_x_BtD) = chunk_grads(jax.tree.map(lambda x: x[0], chunks_cB))
+    (total, d_head), d_x_cBtD = jax.lax.scan(one_chunk, (loss, d_head), jax.tree.map(lambda x: x[1:], chunks_cB))
+    d_x_cBtD = jnp.concatenate([d_x_BtD[None], d_x_cBtD])
+    return total / (b * t), (d_head, jnp.moveaxis(d_x_cBtD, 0, 2).reshape(b, t, d))
+
+  def backward(saved, g):
+    d_head, d_x_BTD = saved
+    scale = g / (b * t)
+    return (jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_head, head),
+            (d_x_BTD * scale).astype(x_BTD.dtype), None, None)
+
+  mean_loss.defvjp(forward, backward)
+  return mean_loss(head, x_BTD, stack, targets_BT)
 
 
 class LanguageModel(nnx.Module):
@@ -106,7 +158,7 @@ class LanguageModel(nnx.Module):
     return self.logits(self.run_blocks(self.embed_tokens(tokens_BT))[0])
 
   def head_loss(self, x_BTD, targets_BT):
-    return cross_entropy(self.logits(x_BTD), targets_BT)
+    return chunked_cross_entropy(self, x_BTD, targets_BT)
 
   def objective(self, tokens_BT, targets_BT, positions_T=None):
     """(cross-entropy + auxiliary losses, statistics): what training differentiates and logs."""

@@ -27,7 +27,9 @@ import math
 import numpy as np
 
 from model import moe
+from model.attention import largest_divisor
 from model.config import VOCAB_MULTIPLE
+from model.transformer import chunk_count
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
@@ -61,11 +63,18 @@ class Dims:
   vocab: int
   compute_bytes: int
   context: str
+  attention_block: int  # model.attention_block: the longest query or key run scored at once
+  loss_positions: int  # positions of the sequence in one chunk of the head and loss (model.loss_chunk)
 
   @property
   def keys(self) -> int:
     """Keys each query scores: the whole sequence, except the ring's one block at a time."""
     return self.length if self.context == "ring" else self.full_length
+
+  @property
+  def blockwise(self) -> bool:
+    """Whether attention runs in blocks (model/attention.py): no query's whole row of scores is kept."""
+    return max(self.length, self.keys) > self.attention_block
 
   @property
   def tokens(self) -> int:
@@ -85,7 +94,9 @@ def dims(config, mesh: dict) -> Dims:
               mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
               kv_heads=(m.kv_heads or m.num_heads) // tensor, head_dim=m.embed_dim // m.num_heads,
               vocab=padded_vocab // tensor, compute_bytes=_compute_bytes(config),
-              context=config.attention.context if mesh[SEQUENCE] > 1 else "none")
+              context=config.attention.context if mesh[SEQUENCE] > 1 else "none",
+              attention_block=m.attention_block,
+              loss_positions=m.max_len // chunk_count(m.max_len, m.loss_chunk) // mesh[SEQUENCE])
 
 
 def shard_elements(weight: Weight, mesh: dict, table) -> int:
@@ -127,14 +138,16 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   input and the residual after attention), Q, K, V and the attention output
   (GPT-2; Llama saves Q and K with and without rotary), the MLP's hidden
   values (tanh-GELU: five; SwiGLU: six), and per attention score three float32
-  values (logits, exponentials, probabilities) and one in the compute dtype.
+  values (logits, exponentials, probabilities) and one in the compute dtype;
+  blockwise attention keeps no scores, only its float32 output and log-sum-exp.
   Below float32 the step also keeps each layer's weight matrices cast to the
   compute dtype. XLA on the CPU keeps all of it; a fusing backend may keep less.
   """
   c, f32, gpt2 = d.compute_bytes, 4, config.model.family == "gpt2"
   heads = (4 * d.heads if gpt2 else 2 * d.heads + 2 * d.kv_heads) * d.head_dim * c
   mlp = (5 if gpt2 else 6) * d.mlp * c
-  per_token = 6 * d.embed * f32 + 2 * d.embed * c + heads + mlp + d.heads * d.keys * (3 * f32 + c)
+  scores = d.heads * (d.head_dim + 1) * f32 if d.blockwise else d.heads * d.keys * (3 * f32 + c)
+  per_token = 6 * d.embed * f32 + 2 * d.embed * c + heads + mlp + scores
   return d.tokens * per_token + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0)
 
 
@@ -176,9 +189,14 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
   much room as what it saved.
   """
   mesh, layers = d.mesh, config.model.num_layers // d.mesh[PIPELINE]
-  # The head's float32 logits, their log-softmax and its gradient.
-  loss = 3 * d.tokens * d.vocab * 4
+  # One chunk's float32 logits, exponentials and their gradient, and the head input's gradient.
+  loss = 3 * d.batch * d.loss_positions * d.vocab * 4 + d.activation_bytes(d.embed)
   working = _layer_saved_bytes(config, d, weights)
+  if d.blockwise:
+    # One block pair's float32 scores, probabilities and their gradients, and the keys' and values'
+    # float32 gradients, which the backward pass accumulates over every query block.
+    blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
+    working += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
   saved = _remat_saved_bytes(config, d, weights)
   if mesh[PIPELINE] == 1:
     return layers * saved + working + loss
@@ -411,7 +429,8 @@ def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
 
   dense: the layers' weight matrices, 2 FLOPs per element per token (QKV, out, MLP, router); mlp_out, the
   MLP's output projection, is part of it. scores and values: QK^T and PV over the full T x T, 2 x T x
-  heads x head_dim per token each: XLA's attention masks the causal half rather than skipping it.
+  heads x head_dim per token each: attention masks the causal half rather than skipping it (the zig-zag
+  ring skips the fully masked half of each visiting block).
   experts: each device's experts over their capacity slots (E x capacity per sequence of every expert
   shard's batch); dispatch and combine: the tokens to and from the slots, 2 x E x capacity x embed per
   token each.
@@ -420,6 +439,8 @@ def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   matrices = lambda keep: sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
                               if w.stacked and _is_matrix(w) and keep(w))
   attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * layers
+  if d.context == "ring":  # its own block whole, and half of each of the S - 1 visitors (the rest is masked)
+    attention = attention * (mesh[SEQUENCE] + 1) // (2 * mesh[SEQUENCE])
   parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),
            "mlp_out": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("mlp", "embed")),
            "scores": attention, "values": attention}
@@ -470,7 +491,7 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   forward = sum(v for k, v in parts.items() if k != "mlp_out")
   recompute = _recomputed(config, parts)
   if d.context == "ring":  # the S - 1 visiting K/V blocks' QK^T, under jax.checkpoint (their PV is an output)
-    recompute += parts["scores"] * (mesh[SEQUENCE] - 1) // mesh[SEQUENCE]
+    recompute += parts["scores"] * (mesh[SEQUENCE] - 1) // (mesh[SEQUENCE] + 1)
   head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length
   if config.pipeline.schedule != "1f1b":
     head_tokens //= mesh[PIPELINE]

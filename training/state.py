@@ -32,7 +32,8 @@ def model_config(config) -> ModelConfig:
     raise ValueError(f"model.family={m.family!r} is unknown; use one of {', '.join(MODEL_FAMILIES)}.")
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
-                     attention=m.attention, compute_dtype=config.precision.compute,
+                     attention=m.attention, attention_block=m.attention_block,
+                     loss_chunk=m.loss_chunk, compute_dtype=config.precision.compute,
                      kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                      num_experts=config.moe.experts,
                      moe_every=config.moe.every, moe_top_k=config.moe.top_k,

@@ -1,0 +1,80 @@
+"""The longest context that fits: the textbook's long-context table, from meshlm's memory estimator.
+
+  python tools/longest_context.py                      # 1B Llama, bf16, 80 and 141 GB, 1 / 8 / 32 devices
+  python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none
+
+For each device memory, device count (all of them on `sequence`, one
+sequence in the batch), context strategy and remat policy, the longest
+sequence whose estimated per-device bytes (parallel/estimate.py: parameters,
+gradients, AdamW moments, activations) fit. Attention is blockwise and the
+loss chunked, so activations grow linearly in T / devices. Nothing is
+compiled: `train.py --dry_run` at lengths a machine can compile shows the
+estimate beside the compiled temporaries.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+# `python tools/longest_context.py` puts tools/ on sys.path, not the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
+
+from parallel import estimate  # pylint: disable=wrong-import-position
+from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
+from training.dry_run import model_weights  # pylint: disable=wrong-import-position
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Model and run config.")
+_MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")
+_DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on the `sequence` axis.")
+_REMAT = flags.DEFINE_list("remat", ["full"], "model.remat policies.")
+STEP = 1024  # lengths searched in multiples of this (times the device count)
+
+
+def fits(config, length: int, devices: int, memory_bytes: int, weights) -> bool:
+  config.model.max_len = length
+  mesh = {"data": 1, "pipeline": 1, "expert": 1, "sequence": devices, "tensor": 1}
+  return sum(estimate.memory(config, mesh, weights).values()) <= memory_bytes
+
+
+def longest(config, devices: int, memory_bytes: int, weights) -> int:
+  """The longest multiple of STEP x devices that fits (0 if none): memory grows with length, so bisect."""
+  unit = STEP * devices
+  low, high = 0, 1
+  while fits(config, high * unit, devices, memory_bytes, weights):
+    low, high = high, high * 2
+  while high - low > 1:
+    middle = (low + high) // 2
+    low, high = (middle, high) if fits(config, middle * unit, devices, memory_bytes, weights) else (low, middle)
+  return low * unit
+
+
+def usable(config, strategy: str, devices: int) -> bool:
+  """Ulysses splits the key/value heads over the devices; the other strategies take any count."""
+  return strategy != "ulysses" or (config.model.kv_heads or config.model.num_heads) % devices == 0
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  config.batch_size, config.grad_accum = 1, 1
+  weights = model_weights(config)  # the parameters do not depend on the length (rotary positions)
+  devices = [int(d) for d in _DEVICES.value]
+  print(f"longest context (tokens) per device memory and device count, {config.model.family} "
+        f"{sum(math.prod(w.shape) for w in weights) / 1e9:.2f}B parameters, "
+        f"{config.precision.compute}, one sequence, attention_block={config.model.attention_block}")
+  print("| memory | strategy | remat | " + " | ".join(f"{d} device{'s' if d > 1 else ''}" for d in devices) + " |")
+  print("|---" * (3 + len(devices)) + "|")
+  for memory_gb in map(float, _MEMORY.value):
+    for strategy in STRATEGIES:
+      for remat in _REMAT.value:
+        config.attention.context, config.model.remat = strategy, remat
+        cells = [f"{longest(config, d, int(memory_gb * 1e9), weights):,}" if usable(config, strategy, d) else "n/a"
+                 for d in devices]
+        print(f"| {memory_gb:g} GB | {strategy} | {remat} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  app.run(main)
