@@ -6,8 +6,10 @@
 Reads only the parameters of the step (not the optimizer state) onto one CPU
 device, whatever mesh wrote them, and writes config.json and model.safetensors
 (float32) into a new directory, all at once or not at all. The model's shape
-comes from the config saved with the checkpoint. Tokenizer files are not part
-of a meshlm checkpoint: copy them from the directory you started from.
+comes from the config saved with the checkpoint. When the run's text went
+through a Hugging Face tokenizer (init_from=hf:DIR with DIR's tokenizer, or
+token data prepared with --tokenizer=hf:DIR), its files are copied in too, so
+transformers opens the export as a complete model.
 """
 
 import sys
@@ -23,6 +25,8 @@ from configs.base import base  # pylint: disable=wrong-import-position
 from parallel.mesh import AXES  # pylint: disable=wrong-import-position
 from training import hf_checkpoint  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpoints  # pylint: disable=wrong-import-position
+from training.token_files import read_meta  # pylint: disable=wrong-import-position
+from training.tokenizer import HF_SCHEME, HfTokenizer, checkpoint_tokenizer, load_tokenizer  # pylint: disable=wrong-import-position
 from training.state import param_count, plan  # pylint: disable=wrong-import-position
 
 
@@ -48,9 +52,21 @@ def export(workdir: str, output: str, step: int | None = None) -> str:
     params = jax.device_get(checkpoints.restore_params(step, abstract))
   finally:
     checkpoints.close()
-  target = hf_checkpoint.write(output, layout.model, params)
+  folder = tokenizer_folder(config)
+  beside = tuple(path for path in (folder / name for name in HfTokenizer.FILES) if path.is_file()) if folder else ()
+  target = hf_checkpoint.write(output, layout.model, params, beside)
   return (f"exported step {step} of {workdir} ({layout.model.family}, {param_count(layout):,} parameters) "
           f"to {target}")
+
+
+def tokenizer_folder(config) -> Path | None:
+  """The folder of the Hugging Face tokenizer the run's text went through, if it went through one."""
+  if pretrained := checkpoint_tokenizer(config.init_from):
+    return pretrained.folder
+  if config.data.source == "tokens":
+    name = read_meta(Path(config.data.path).expanduser())["tokenizer"]
+    return load_tokenizer(name).folder if name.startswith(HF_SCHEME) else None
+  return None
 
 
 def define_flags():

@@ -2,6 +2,7 @@
 
   python tools/longest_context.py                      # 1B Llama, bf16, 80 and 141 GB, 1 / 8 / 32 devices
   python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none
+  python tools/longest_context.py --write               # and rewrite README's <!-- longest-context --> table
 
 For each device memory, device count (all of them on `sequence`, one
 sequence in the batch), context strategy and remat policy, the longest
@@ -23,6 +24,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from parallel import estimate  # pylint: disable=wrong-import-position
+from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
 from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
 from training.dry_run import model_weights  # pylint: disable=wrong-import-position
 
@@ -30,6 +32,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Mode
 _MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")
 _DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on the `sequence` axis.")
 _REMAT = flags.DEFINE_list("remat", ["full"], "model.remat policies.")
+_WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between README's <!-- longest-context --> markers.")
+README = Path(__file__).resolve().parent.parent / "README.md"
 STEP = 1024  # lengths searched in multiples of this (times the device count)
 
 
@@ -56,24 +60,32 @@ def usable(config, strategy: str, devices: int) -> bool:
   return strategy != "ulysses" or (config.model.kv_heads or config.model.num_heads) % devices == 0
 
 
-def main(argv):
-  del argv
-  config = _CONFIG.value
+def table(config) -> str:
   config.batch_size, config.grad_accum = 1, 1
   weights = model_weights(config)  # the parameters do not depend on the length (rotary positions)
   devices = [int(d) for d in _DEVICES.value]
-  print(f"longest context (tokens) per device memory and device count, {config.model.family} "
-        f"{sum(math.prod(w.shape) for w in weights) / 1e9:.2f}B parameters, "
-        f"{config.precision.compute}, one sequence, attention_block={config.model.attention_block}")
-  print("| memory | strategy | remat | " + " | ".join(f"{d} device{'s' if d > 1 else ''}" for d in devices) + " |")
-  print("|---" * (3 + len(devices)) + "|")
+  lines = [f"Longest context in tokens, {config.model.family} with {sum(math.prod(w.shape) for w in weights) / 1e9:.2f}B "
+           f"parameters, {config.precision.compute}, one sequence, attention_block={config.model.attention_block}, "
+           f"loss_chunk={config.model.loss_chunk}:", "",
+           "| memory per device | strategy | remat | " + " | ".join(f"{d} device{'s' * (d > 1)}" for d in devices) + " |",
+           "|---" * (3 + len(devices)) + "|"]
   for memory_gb in map(float, _MEMORY.value):
     for strategy in STRATEGIES:
       for remat in _REMAT.value:
         config.attention.context, config.model.remat = strategy, remat
         cells = [f"{longest(config, d, int(memory_gb * 1e9), weights):,}" if usable(config, strategy, d) else "n/a"
                  for d in devices]
-        print(f"| {memory_gb:g} GB | {strategy} | {remat} | " + " | ".join(cells) + " |")
+        lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  text = table(_CONFIG.value)
+  print(text, end="")
+  if _WRITE.value:
+    made_by = "\nMade by `python tools/longest_context.py --write` (n/a: Ulysses needs the 8 key/value heads to divide over the devices).\n"
+    README.write_text(replace_block(README.read_text(), "longest-context", text + made_by))
 
 
 if __name__ == "__main__":

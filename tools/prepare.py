@@ -1,11 +1,12 @@
 """Tokenizes a folder of text into the token folder that `--config.data.source=tokens` reads.
 
   python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer byte
+  python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer hf:checkpoints/llama   # its tokenizer.json
 
 Reads every file under --input whose suffix is in TEXT_SUFFIXES (recursively, sorted by
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD.
 Each file is one document, followed by the tokenizer's end-of-text: a newline for `byte`,
-<|endoftext|> for `gpt2`. The last --val_fraction of the tokens is the val split. Writes
+<|endoftext|> for `gpt2`, the tokenizer's eos_token for `hf:DIR`. The last --val_fraction of the tokens is the val split. Writes
 train.bin, val.bin and meta.json (format: training/token_files.py), each whole or not at all.
 """
 
@@ -74,8 +75,8 @@ def define_flags():
   flags.DEFINE_string("input", None, "Folder of text files, read recursively.", required=True)
   flags.DEFINE_string("output", None, "Folder to write train.bin, val.bin, meta.json.",
                       required=True)
-  flags.DEFINE_enum("tokenizer", "byte", sorted(tokenizer.TOKENIZERS),
-                    "byte works offline; gpt2 needs tiktoken's encoding file.")
+  flags.DEFINE_string("tokenizer", "byte", "byte (works offline), gpt2 (needs tiktoken's encoding file) or "
+                      "hf:DIR (DIR/tokenizer.json, e.g. an imported Hugging Face model's directory).")
   flags.DEFINE_float("val_fraction", 0.05, "Share of tokens, taken from the end, for val.")
   flags.DEFINE_bool("overwrite", False, "Replace a dataset already in --output.")
 

@@ -215,8 +215,11 @@ def check_new_directory(directory: str) -> Path:
   return target
 
 
-def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
-  """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure."""
+def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ...] = ()) -> Path:
+  """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure.
+
+  Files `beside` (a tokenizer's) are copied in with the weights.
+  """
   target = check_new_directory(directory)
   tied = tied_head(cfg, params)
   hf = {}
@@ -232,6 +235,8 @@ def write(directory: str, cfg: ModelConfig, params: dict) -> Path:
   try:
     save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
     (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied), indent=2) + "\n")
+    for path in beside:
+      shutil.copyfile(path, partial / path.name)
     os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
     os.chmod(partial, 0o755)
     partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint

@@ -17,7 +17,7 @@ from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step, make_train_step
-from training.tokenizer import load_tokenizer
+from training.tokenizer import run_tokenizer
 from training.validate import check_run
 from training.workdir_lock import WorkdirLock
 
@@ -37,8 +37,10 @@ def train(config, dry_run: bool = False) -> dict:
   data.check_long_enough(train_split, layout.model.max_len)  # here, not after compiling
   if config.eval_every:
     data.check_long_enough(val_split, layout.model.max_len)
+  # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
+  text_tokenizer = run_tokenizer(config.init_from, train_split.tokenizer, train_split.origin)
   if config.sample_tokens:
-    prompt = encode_prompt(load_tokenizer(train_split.tokenizer), config.sample_prompt)
+    prompt = encode_prompt(text_tokenizer, config.sample_prompt)
     check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
                   top_k=0, vocab_size=layout.model.vocab_size)
   parse_steps(config.profile_steps, config.steps)
@@ -61,7 +63,8 @@ def train(config, dry_run: bool = False) -> dict:
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop)
+      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop,
+                  text_tokenizer)
   finally:
     checkpoints.close()
 
@@ -102,7 +105,7 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, layout, state, start, checkpoints, train_split, val_split, stop) -> dict:
+def _run(config, layout, state, start, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
   seq_len = layout.model.max_len
   # Compiled ahead so the first interval's tokens/s leaves compilation out and
   # the program's own memory figure can be logged beside the losses.
@@ -176,12 +179,11 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
         return last
   checkpoints.wait()
   if config.sample_tokens:
-    _log("sample: " + _sample(layout, state["params"], config, train_split.tokenizer))
+    _log("sample: " + _sample(layout, state["params"], config, text_tokenizer))
   return last
 
 
-def _sample(layout, params, config, tokenizer_name: str) -> str:
-  tokenizer = load_tokenizer(tokenizer_name)
+def _sample(layout, params, config, tokenizer) -> str:
   ids = generate(layout, params, encode_prompt(tokenizer, config.sample_prompt),
                  num_tokens=config.sample_tokens, temperature=SAMPLE_TEMPERATURE, seed=config.seed)
   return repr(config.sample_prompt + tokenizer.decode(ids[0]))

@@ -20,7 +20,7 @@ from training import data
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.state import Layout, plan
-from training.tokenizer import load_tokenizer
+from training.tokenizer import run_tokenizer
 
 # Decoding never shards `length`: each step sees one position, and the cache is
 # read whole by every query. Batch, heads and vocabulary keep the training layout.
@@ -133,4 +133,4 @@ def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None
   finally:
     checkpoints.close()
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
-  return config, layout, params, load_tokenizer(split.tokenizer), step
+  return config, layout, params, run_tokenizer(config.init_from, split.tokenizer, split.origin), step

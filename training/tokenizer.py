@@ -1,4 +1,8 @@
-"""Tokenizers: raw UTF-8 bytes (always available) and GPT-2 BPE (through tiktoken)."""
+"""Tokenizers: raw UTF-8 bytes (always available), GPT-2 BPE (through tiktoken), and any
+Hugging Face `tokenizer.json` (through the `tokenizers` library), named `hf:DIR`."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -53,11 +57,96 @@ class Gpt2Tokenizer:
     return b"".join(pieces).decode("utf-8", errors="replace")
 
 
+class HfTokenizer:
+  """A Hugging Face tokenizer read from DIR/tokenizer.json, named `hf:DIR` (an absolute path).
+
+  Documents are separated by the tokenizer's end-of-sequence token: `eos_token`
+  in DIR/tokenizer_config.json, else the first of END_OF_TEXT it knows.
+  """
+
+  FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what travels with it
+  END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+  def __init__(self, directory: str):
+    try:
+      from tokenizers import Tokenizer  # optional dependency (pyproject's `hf` extra)
+    except ImportError as error:
+      raise ValueError(f"tokenizer hf:{directory} needs the `tokenizers` package: "
+                       "pip install -e '.[hf]'.") from error
+    folder = Path(directory).expanduser().resolve()
+    if not (folder / "tokenizer.json").is_file():
+      raise ValueError(f"tokenizer hf:{directory} has no tokenizer.json; give a directory that holds one "
+                       "(a Hugging Face model's), or use byte or gpt2.")
+    self.name, self.folder = f"hf:{folder}", folder
+    self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    self.end_of_text = self._end_of_text()
+
+  def _end_of_text(self) -> int:
+    config_file = self.folder / "tokenizer_config.json"
+    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    for token in ([eos] if eos else []) + list(self.END_OF_TEXT):
+      if (token_id := self._tokenizer.token_to_id(token)) is not None:
+        return token_id
+    raise ValueError(f"tokenizer {self.name} names no end-of-text token (eos_token in tokenizer_config.json, "
+                     f"or one of {', '.join(self.END_OF_TEXT)}); documents need a separator.")
+
+  def encode(self, text: str) -> np.ndarray:
+    # No special tokens added (no BOS per call): documents are joined with end_of_text instead.
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids) -> str:
+    ids = [int(i) for i in np.asarray(ids).ravel()]
+    # Runs of known ids decode together (a BPE token may be part of a character); others show U+FFFD.
+    text, run = [], []
+    for i in ids + [-1]:
+      if 0 <= i < self.vocab_size:
+        run.append(i)
+        continue
+      if run:
+        text.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        run = []
+      text.append("\ufffd")
+    return "".join(text[:-1])
+
+  def same_as(self, other) -> bool:
+    """Whether `other` maps text to the same ids (the same tokenizer.json, wherever it lies)."""
+    return isinstance(other, HfTokenizer) and self._tokenizer.to_str() == other._tokenizer.to_str()
+
+
 TOKENIZERS = {"byte": ByteTokenizer, "gpt2": Gpt2Tokenizer}
+HF_SCHEME = "hf:"
 
 
 def load_tokenizer(name: str):
-  """Returns the tokenizer called `name` ('byte' or 'gpt2')."""
+  """Returns the tokenizer called `name`: 'byte', 'gpt2' or 'hf:DIR'."""
+  if name.startswith(HF_SCHEME) and name != HF_SCHEME:
+    return HfTokenizer(name[len(HF_SCHEME):])
   if name not in TOKENIZERS:
-    raise ValueError(f"Unknown tokenizer {name!r}; choose one of {sorted(TOKENIZERS)}.")
+    raise ValueError(f"Unknown tokenizer {name!r}; choose one of {sorted(TOKENIZERS)} or hf:DIR "
+                     "(a directory holding a Hugging Face tokenizer.json).")
   return TOKENIZERS[name]()
+
+
+def checkpoint_tokenizer(init_from: str) -> HfTokenizer | None:
+  """The tokenizer beside an `init_from=hf:DIR` checkpoint, or None when DIR holds no tokenizer.json."""
+  if not init_from.startswith(HF_SCHEME) or not (Path(init_from[len(HF_SCHEME):]).expanduser() / "tokenizer.json").is_file():
+    return None
+  return HfTokenizer(init_from[len(HF_SCHEME):])
+
+
+def run_tokenizer(init_from: str, data_tokenizer: str, data_origin: str):
+  """The tokenizer a run's text goes through: its `init_from` checkpoint's when it has one, else its data's.
+
+  Refuses, in one line, token data that another tokenizer wrote (synthetic data carries no text).
+  """
+  pretrained = checkpoint_tokenizer(init_from)
+  if pretrained is None:
+    return load_tokenizer(data_tokenizer)
+  if data_origin != "synthetic" and not (data_tokenizer.startswith(HF_SCHEME)
+                                         and pretrained.same_as(load_tokenizer(data_tokenizer))):
+    raise ValueError(f"{data_origin} holds {data_tokenizer} tokens, but init_from={init_from} has its own "
+                     f"tokenizer; prepare the text with `python tools/prepare.py --tokenizer={pretrained.name} ...` "
+                     "(or train on --config.data.source=synthetic).")
+  return pretrained
