@@ -176,7 +176,7 @@ def test_prepare_command_line(tmp_path):
              f"--output={tmp_path / 'out'}"]
   first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
   assert first.returncode == 0, first.stderr
-  assert "from 3 text files" in first.stdout and first.stdout.count("\n") == 1
+  assert "from 3 documents" in first.stdout and first.stdout.count("\n") == 1
   again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
   assert again.returncode == 1 and "--overwrite" in again.stderr
   assert again.stderr.strip().count("\n") == 0

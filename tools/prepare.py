@@ -1,15 +1,23 @@
-"""Tokenizes a folder of text into the token folder that `--config.data.source=tokens` reads.
+"""Tokenizes a folder of text, or one field of a dataset, into the token folder `--config.data.source=tokens` reads.
 
   python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer byte
   python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer hf:checkpoints/llama   # its tokenizer.json
+  python tools/prepare.py --dataset data/raw/shards --text_field text --output data/corpus --workers 8
 
-Reads every file under --input whose suffix is in TEXT_SUFFIXES (recursively, sorted by
-path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD.
-Each file is one document, followed by the tokenizer's end-of-text: a newline for `byte`,
-<|endoftext|> for `gpt2`, the tokenizer's eos_token for `hf:DIR`. The last --val_fraction of the tokens is the val split. Writes
-train.bin, val.bin and meta.json (format: training/token_files.py), each whole or not at all.
+--input: every file under the folder whose suffix is in TEXT_SUFFIXES (recursively, sorted by
+path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD; each
+file is one document. --dataset: each record's --text_field is one document, read through
+Hugging Face `datasets` (tools/dataset_texts.py: local parquet, jsonl, arrow, csv or text
+files, or a hub name when online), so JSON and parquet are never tokenized as raw text.
+Documents are followed by the tokenizer's end-of-text: a newline for `byte`, <|endoftext|>
+for `gpt2`, the tokenizer's eos_token for `hf:DIR`. --workers processes tokenize in
+parallel, in order, with a progress bar of tokens and tokens/s. The last --val_fraction of
+the tokens is the val split. Writes train.bin, val.bin and meta.json (format:
+training/token_files.py), each whole or not at all.
 """
 
+import itertools
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -17,16 +25,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # pylint: disable=wrong-import-position
-from absl import app, flags  # pylint: disable=wrong-import-position
+from absl import app, flags, logging  # pylint: disable=wrong-import-position
+from tqdm import tqdm  # pylint: disable=wrong-import-position
 
+from tools.dataset_texts import dataset_texts  # pylint: disable=wrong-import-position
 from training import token_files, tokenizer  # pylint: disable=wrong-import-position
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.
 TEXT_SUFFIXES = frozenset((
     ".txt", ".md", ".rst", ".tex", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
-    ".java", ".js", ".ts", ".sh", ".html", ".xml", ".css", ".json", ".jsonl", ".csv",
-    ".tsv", ".yaml", ".yml", ".toml"))
+    ".java", ".js", ".ts", ".sh", ".html", ".xml", ".css", ".csv", ".tsv", ".yaml", ".yml", ".toml"))
+BATCH = 64  # documents per task handed to a tokenizing worker
 
 def text_files(folder: Path, *, skip: Path | None = None) -> list[Path]:
   """The text files under `folder`, sorted, outside hidden folders and `skip`."""
@@ -41,38 +51,85 @@ def text_files(folder: Path, *, skip: Path | None = None) -> list[Path]:
 
 
 def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction: float = 0.05,
-            overwrite: bool = False) -> tuple[int, dict]:
-  """Tokenizes `input_dir` into `output_dir`; returns (files read, meta)."""
-  input_dir, output_dir = Path(input_dir).expanduser(), Path(output_dir).expanduser()
-  if not input_dir.is_dir():
-    raise ValueError(f"Input folder {input_dir} does not exist.")
+            overwrite: bool = False, dataset: str | None = None, text_field: str = "text",
+            workers: int = 1, progress: bool = False) -> tuple[int, dict]:
+  """Tokenizes `input_dir` (or `dataset`'s `text_field`) into `output_dir`; returns (documents, meta)."""
+  output_dir = Path(output_dir).expanduser()
+  if (input_dir is None) == (dataset is None):
+    raise ValueError("give one of --input (a folder of text files) and --dataset (records with a text field).")
   if not 0 <= val_fraction < 1:
     raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1).")
-  # A dataset inside its own input folder must not be read back in on the next run.
+  if workers < 1:
+    raise ValueError(f"--workers={workers} must be at least 1.")
   if output_dir.exists() and not output_dir.is_dir():
     raise ValueError(f"--output={output_dir} is a file, not a folder; give a folder for train.bin, "
                      "val.bin and meta.json.")
-  files = text_files(input_dir, skip=output_dir)
-  if not files:
-    raise ValueError(f"{input_dir} holds no text files ({' '.join(sorted(TEXT_SUFFIXES))}).")
   existing = [name for name in token_files.FOLDER_FILES if (output_dir / name).exists()]
   if existing and not overwrite:
     raise ValueError(f"{output_dir} already holds a prepared dataset ({', '.join(existing)}); "
                      "pass --overwrite to replace it.")
-  tok = tokenizer.load_tokenizer(tokenizer_name)
-  separator = np.array([tok.end_of_text], np.int32)
+  tok = tokenizer.load_tokenizer(tokenizer_name)  # refuses a bad name before anything is read
+  texts = dataset_texts(dataset, text_field) if dataset is not None else folder_texts(input_dir, output_dir)
+  with tqdm(unit=" tokens", unit_scale=True, disable=not progress) as bar:
+    documents = 0
+
+    def counted():  # the documents' ids as they stream by, counted, none kept
+      nonlocal documents
+      for chunk in encoded(texts, tokenizer_name, workers):
+        bar.update(len(chunk))
+        documents += 1
+        yield chunk
+
+    meta = token_files.write_token_folder(output_dir, counted(), tokenizer=tok.name, vocab_size=tok.vocab_size,
+                                          val_fraction=val_fraction)
+  return documents, meta
+
+
+def folder_texts(input_dir, output_dir: Path):
+  """The text files under `input_dir` as strings; refuses a folder without any before reading one."""
+  input_dir = Path(input_dir).expanduser()
+  if not input_dir.is_dir():
+    raise ValueError(f"Input folder {input_dir} does not exist.")
+  # A dataset inside its own input folder must not be read back in on the next run.
+  files = text_files(input_dir, skip=output_dir)
+  if not files:
+    raise ValueError(f"{input_dir} holds no text files ({' '.join(sorted(TEXT_SUFFIXES))}); "
+                     "for json, jsonl or parquet records use --dataset with --text_field.")
   # Decoding bytes (not read_text) keeps "\r\n" as written: the text round-trips exactly.
-  chunks = (np.concatenate([tok.encode(path.read_bytes().decode("utf-8", errors="replace")),
-                            separator])
-            for path in files)
-  meta = token_files.write_token_folder(output_dir, chunks, tokenizer=tok.name,
-                                 vocab_size=tok.vocab_size, val_fraction=val_fraction)
-  return len(files), meta
+  return (path.read_bytes().decode("utf-8", errors="replace") for path in files)
+
+
+def encoded(texts, tokenizer_name: str, workers: int):
+  """Each text's ids followed by the end-of-text, in order; `workers` processes encode batches of BATCH."""
+  batches = iter(lambda: list(itertools.islice(texts, BATCH)), [])
+  if workers == 1:
+    _load_worker_tokenizer(tokenizer_name)
+    yield from itertools.chain.from_iterable(map(_encode_batch, batches))
+    return
+  # Spawned, not forked: a fork would copy the parent's threads (tokenizers', tqdm's) mid-flight.
+  with multiprocessing.get_context("spawn").Pool(workers, _load_worker_tokenizer, (tokenizer_name,)) as pool:
+    yield from itertools.chain.from_iterable(pool.imap(_encode_batch, batches))
+
+
+_worker_tokenizer = None
+
+
+def _load_worker_tokenizer(name: str):
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizer.load_tokenizer(name)
+
+
+def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+  return [np.append(_worker_tokenizer.encode(text), np.int32(_worker_tokenizer.end_of_text)).astype(np.int32)
+          for text in texts]
 
 
 def define_flags():
   """Defines the command line; only when run, so importing prepare() leaves global flags alone."""
-  flags.DEFINE_string("input", None, "Folder of text files, read recursively.", required=True)
+  flags.DEFINE_string("input", None, "Folder of text files, read recursively (or give --dataset).")
+  flags.DEFINE_string("dataset", None, "Local parquet/jsonl/arrow/csv/text file or folder, or a hub dataset name.")
+  flags.DEFINE_string("text_field", "text", "With --dataset: the field holding each document's text.")
+  flags.DEFINE_integer("workers", 1, "Tokenizing processes.")
   flags.DEFINE_string("output", None, "Folder to write train.bin, val.bin, meta.json.",
                       required=True)
   flags.DEFINE_string("tokenizer", "byte", "byte (works offline), gpt2 (needs tiktoken's encoding file) or "
@@ -85,13 +142,15 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   args = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)  # `datasets` announces jax through absl's log
   try:
     num_files, meta = prepare(args.input, args.output, tokenizer_name=args.tokenizer,
-                              val_fraction=args.val_fraction, overwrite=args.overwrite)
+                              val_fraction=args.val_fraction, overwrite=args.overwrite, dataset=args.dataset,
+                              text_field=args.text_field, workers=args.workers, progress=True)
   except ValueError as error:
     sys.exit(f"prepare.py: {error}")  # one line on stderr, exit status 1
   total = meta["train_tokens"] + meta["val_tokens"]
-  print(f"Prepared {args.output} from {num_files} text file{'s' * (num_files != 1)}: "
+  print(f"Prepared {args.output} from {num_files} document{'s' * (num_files != 1)}: "
         f"{total:,} {meta['tokenizer']} tokens, {meta['train_tokens']:,} train / "
         f"{meta['val_tokens']:,} val.")
 
