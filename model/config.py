@@ -22,7 +22,7 @@ class ModelConfig:
   remat: str = "none"  # none | full | save_dots | save_attention | offload
   attention: str = "xla"  # xla | cudnn
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
-  loss_chunk: int = 256  # positions per chunk of the head and loss (model/transformer.py)
+  loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0

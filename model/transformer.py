@@ -88,6 +88,16 @@ def token_losses(logits_BTV, targets_BT):
   return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
 
 
+def loss_chunk_positions(tokens: int, rows_per_device: int, sequence_shards: int) -> int:
+  """Positions per loss chunk that give each device about `tokens` tokens per chunk (model.loss_chunk).
+
+  Sized per device because under data parallelism each chunk's head gradient is
+  summed over the batch's devices on its own (the scan's running sum is
+  replicated): where the batch is spread thin, few chunks and few reductions.
+  """
+  return max(1, tokens * sequence_shards // max(1, rows_per_device))
+
+
 def chunk_count(length: int, chunk: int) -> int:
   """Chunks of at most `chunk` positions that divide `length` evenly."""
   return next(c for c in range(-(-length // chunk), length + 1) if length % c == 0)

@@ -29,7 +29,7 @@ import numpy as np
 from model import moe
 from model.attention import largest_divisor
 from model.config import VOCAB_MULTIPLE
-from model.transformer import chunk_count
+from model.transformer import chunk_count, loss_chunk_positions
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
@@ -64,7 +64,7 @@ class Dims:
   compute_bytes: int
   context: str
   attention_block: int  # model.attention_block: the longest query or key run scored at once
-  loss_positions: int  # positions of the sequence in one chunk of the head and loss (model.loss_chunk)
+  loss_positions: int  # positions of the local sequence in one chunk of the head and loss (model.loss_chunk)
 
   @property
   def keys(self) -> int:
@@ -89,14 +89,16 @@ def dims(config, mesh: dict) -> Dims:
   m, tensor = config.model, mesh[TENSOR]
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-  return Dims(mesh=mesh, batch=config.batch_size // micro // (mesh[DATA] * mesh[EXPERT]),
+  batch = config.batch_size // micro // (mesh[DATA] * mesh[EXPERT])
+  return Dims(mesh=mesh, batch=batch,
               length=m.max_len // mesh[SEQUENCE], full_length=m.max_len, embed=m.embed_dim,
               mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
               kv_heads=(m.kv_heads or m.num_heads) // tensor, head_dim=m.embed_dim // m.num_heads,
               vocab=padded_vocab // tensor, compute_bytes=_compute_bytes(config),
               context=config.attention.context if mesh[SEQUENCE] > 1 else "none",
               attention_block=m.attention_block,
-              loss_positions=m.max_len // chunk_count(m.max_len, m.loss_chunk) // mesh[SEQUENCE])
+              loss_positions=m.max_len // mesh[SEQUENCE] // chunk_count(
+                  m.max_len, loss_chunk_positions(m.loss_chunk, batch, mesh[SEQUENCE])))
 
 
 def shard_elements(weight: Weight, mesh: dict, table) -> int:

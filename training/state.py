@@ -16,9 +16,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
+from model.transformer import loss_chunk_positions
 from parallel import rules
 from parallel.checks import check_backend, check_divides
-from parallel.mesh import PIPELINE, SEQUENCE, make_mesh
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
 from training.optimizer import make_optimizer
 
@@ -76,6 +77,9 @@ def plan(config, devices=None) -> Layout:
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
                 zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
   check_backend(cfg, mesh.devices.flat[0])
+  micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
+  rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
+  cfg = dataclasses.replace(cfg, loss_chunk=loss_chunk_positions(cfg.loss_chunk, rows, mesh.shape[SEQUENCE]))
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
