@@ -30,6 +30,7 @@ dynamic-slice; GPU and TPU compilers fuse that pair into a reduce-scatter
 
 import collections
 import dataclasses
+import functools
 import glob
 import itertools
 import os
@@ -180,29 +181,57 @@ def _uses(lines) -> dict[str, list[tuple[str, int, int]]]:
   return dict(uses)
 
 
-_DOT = re.compile(r"\bdot\(%([\w.\-]+), %([\w.\-]+)\).*?lhs_contracting_dims=\{([\d,]*)\}")
+# An operand may be a tuple's element, `%param#1`, as newer HLO text writes a get-tuple-element.
+_DOT = re.compile(r"\bdot\(%([\w.\-]+(?:#\d+)?), %([\w.\-]+(?:#\d+)?)\).*?lhs_contracting_dims=\{([\d,]*)\}")
+_ARRAY_TYPE = re.compile(r"\w+\[[\d,]*\]")
 
 
 def matmul_flops(compiled, partitioned: str) -> int:
   """FLOPs of the dots in one device's program as partitioned: 2 x result elements x contracted size each,
-  loop bodies times their trips (read off `compiled` as `collectives` does).
+  loop bodies times their trips (read off `compiled` as `collectives` does), and of a conditional only
+  its costliest branch, the one a device may run (a 1F1B slot is a forward or a backward, not both).
 
   `compiled.cost_analysis()` also reports per-device FLOPs, but counts a while
   loop's body once whatever its trips (a scanned layer stack as one layer).
-  A dot in a conditional's branch counts every time the conditional runs.
   """
-  _, _, trips, where = _loop_nesting(partitioned, _trip_counts(compiled.as_text()))
+  known_trips = _trip_counts(compiled.as_text())
+  own, calls, current, entry = collections.defaultdict(int), collections.defaultdict(list), None, None
   lines = partitioned.splitlines()
   types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, lines) if m}
-  total = 0
-  for line_number, line in enumerate(lines):
+  for line in lines:
+    if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+      current = line.removeprefix("ENTRY").split()[0].lstrip("%")
+      entry = current if line.startswith("ENTRY") else entry
+      # Parameters are typed in the header; a tuple's elements are named `param#i` where used.
+      for name, kind in re.findall(r"%?([\w.\-]+): (\((?:[^()]|\([^()]*\))*\)|\w+\[[\d,]*\])", line):
+        types[name] = kind
+        types.update({f"{name}#{i}": element for i, element in enumerate(_ARRAY_TYPE.findall(kind))})
+      continue
     if dot := _DOT.search(line):
       lhs, _, contracting = dot.groups()
       lhs_dims = _ints(re.search(r"\[([^\]]*)\]", types[lhs]).group(1))
       result_dims = _ints(re.search(r"\[([^\]]*)\]", _DEFINITION.match(line).group(2)).group(1))
       contracted = int(np.prod([lhs_dims[i] for i in _ints(contracting)], dtype=np.int64))
-      total += 2 * int(np.prod(result_dims, dtype=np.int64)) * contracted * trips.get(where[line_number], 1)
-  return total
+      own[current] += 2 * int(np.prod(result_dims, dtype=np.int64)) * contracted
+    body = re.search(r"\bbody=%?([\w.\-]+)", line)
+    count = _TRIP_COUNT.search(line)
+    trips = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
+    branches = [callee.lstrip("%") for attribute, listed, single in _CALLEE.findall(line)
+                if attribute in ("branch_computations", "true_computation", "false_computation")
+                for callee in (re.split(r",\s*", listed) if listed else [single])]
+    if branches:
+      calls[current].append((1, branches))
+    for attribute, listed, single in _CALLEE.findall(line):
+      if attribute not in ("branch_computations", "true_computation", "false_computation"):
+        for callee in re.split(r",\s*", listed) if listed else [single]:
+          calls[current].append((trips if attribute in ("body", "condition") else 1, [callee.lstrip("%")]))
+
+  @functools.cache
+  def cost(computation: str) -> int:
+    return own[computation] + sum(times * max(cost(callee) for callee in callees)
+                                  for times, callees in calls[computation])
+
+  return cost(entry)
 
 
 def _trip_counts(compiled_text: str) -> dict[str, int]:

@@ -272,3 +272,19 @@ def test_partitioned_reading_keeps_bf16_forms_reduce_scatters_and_folds_chains()
       ("reduce-scatter", "data"): 512}
   backend = analysis.traffic_per_step(analysis.collectives(compiled, mesh))
   assert {key for key in backend if key[0] == "reduce-scatter" or key[1] == "data+tensor"} == set(), backend
+
+
+def test_matmul_flops_count_loop_trips_and_a_conditional_s_costliest_branch(mesh):
+  a = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P()))  # placed, so the partitioner runs
+
+  def run(a, flag):
+    def body(carry, _):  # 5 trips of a 32 x 64 x 64 product
+      return carry @ jnp.ones((64, 64)), None
+    looped, _ = jax.lax.scan(body, a, None, length=5)
+    # One branch multiplies by a 64 x 128 matrix, the other by 64 x 8: a device runs one of them.
+    branch = jax.lax.cond(flag, lambda x: (x @ jnp.ones((64, 128))).sum(), lambda x: (x @ jnp.ones((64, 8))).sum(),
+                          looped)
+    return branch
+
+  lowered = jax.jit(run).lower(a, True)
+  assert analysis.matmul_flops(*analysis.compile_partitioned(lowered)) == 2 * 32 * 64 * (5 * 64 + 128)
