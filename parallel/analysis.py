@@ -91,12 +91,14 @@ def compile_partitioned(lowered):
 
   XLA writes the module as the `spmd-partitioning` pass leaves it to a dump
   folder, a fresh one per call (the folder is a compile option, so a cached
-  executable cannot skip the dump).
+  executable cannot skip the dump). A program for one device is not
+  partitioned: its module before optimisations is the same program.
   """
   with tempfile.TemporaryDirectory() as folder:
     compiled = lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning",
                                 "xla_dump_disable_metadata": True})
-    dumps = glob.glob(os.path.join(folder, "*.after_spmd-partitioning.*.txt"))
+    dumps = (glob.glob(os.path.join(folder, "*.after_spmd-partitioning.*.txt"))
+             or glob.glob(os.path.join(folder, "*.before_optimizations.txt")))
     if len(dumps) != 1:
       raise RuntimeError(f"expected one HLO dump after spmd-partitioning, found {len(dumps)} in {folder}")
     with open(dumps[0]) as dump:

@@ -288,3 +288,8 @@ def test_matmul_flops_count_loop_trips_and_a_conditional_s_costliest_branch(mesh
 
   lowered = jax.jit(run).lower(a, True)
   assert analysis.matmul_flops(*analysis.compile_partitioned(lowered)) == 2 * 32 * 64 * (5 * 64 + 128)
+
+
+def test_a_one_device_program_is_read_before_optimisations():
+  lowered = jax.jit(lambda a: (a @ a).sum()).lower(jnp.ones((8, 8)))
+  assert analysis.matmul_flops(*analysis.compile_partitioned(lowered)) == 2 * 8 * 8 * 8
