@@ -199,6 +199,11 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     # float32 gradients, which the backward pass accumulates over every query block.
     blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
     working += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
+  if d.context == "ring":
+    # Autodiff through the ring keeps every hop's visiting keys and values and its float32 partial
+    # output and log-sum-exp for the merges' backward pass: S - 1 blocks' worth, about the whole sequence.
+    per_token = 2 * d.kv_heads * d.head_dim * d.compute_bytes + d.heads * (d.head_dim + 1) * 4
+    working += (mesh[SEQUENCE] - 1) * d.tokens * per_token
   saved = _remat_saved_bytes(config, d, weights)
   if mesh[PIPELINE] == 1:
     return layers * saved + working + loss
