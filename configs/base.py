@@ -30,6 +30,12 @@ def base() -> ml_collections.ConfigDict:
   # <workdir>/profile, for TensorBoard's profile plugin or ui.perfetto.dev; empty: no trace
   c.profile_steps = ""
 
+  # Weights & Biases (the `wandb` extra): the same scalars as metrics.jsonl, the config and the git
+  # commit. Off while project is ""; WANDB_MODE=offline keeps a run on disk until `wandb sync`.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.project = ""
+  c.wandb.group = ""  # runs that belong together (tools/sweep.py sets the recipe's name)
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100  # steps between async saves (0: none); the last step is always saved
   c.checkpoint.keep = 3  # the newest k are kept

@@ -117,7 +117,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
   peak_bytes = analysis.memory_summary(train_step)["peak_bytes"]
-  writer = metrics.MetricsWriter(config.workdir, after_step=start)
+  writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config)
   active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
   _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")

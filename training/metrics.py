@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import subprocess
+import uuid
 
 import jax
 from model.config import ModelConfig
@@ -38,13 +40,14 @@ def mfu(tokens_per_sec: float, flops_token: float, peak_per_device: float | None
 
 
 class MetricsWriter:
-  """One JSON object per logged step in <workdir>/metrics.jsonl, and TensorBoard scalars.
+  """One JSON object per logged step in <workdir>/metrics.jsonl, TensorBoard scalars, and W&B when configured.
 
   Only process 0 writes, so a multi-host run leaves one copy.
   """
 
-  def __init__(self, workdir: str, after_step: int = 0):
+  def __init__(self, workdir: str, after_step: int = 0, config=None):
     self.active = jax.process_index() == 0
+    self._wandb = None
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -53,6 +56,8 @@ class MetricsWriter:
     self._jsonl = open(path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    if config is not None and config.wandb.project:
+      self._wandb = _wandb_run(workdir, config)
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.active:
@@ -61,14 +66,18 @@ class MetricsWriter:
     strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
     self._jsonl.write(json.dumps({"step": step, **strict}, allow_nan=False) + "\n")
     self._jsonl.flush()
-    for key, value in metrics.items():
-      if value is not None:
-        self._tensorboard.add_scalar(key, value, step)
+    scalars = {key: value for key, value in metrics.items() if value is not None}
+    for key, value in scalars.items():
+      self._tensorboard.add_scalar(key, value, step)
+    if self._wandb is not None:
+      self._wandb.log(scalars, step=step)
 
   def close(self) -> None:
     if self.active:
       self._jsonl.close()
       self._tensorboard.close()
+      if self._wandb is not None:
+        self._wandb.finish()
 
   def __enter__(self):
     return self
@@ -102,3 +111,28 @@ def _drop_records_after(path: str, step: int) -> None:
   with open(path + ".tmp", "w") as f:
     f.writelines(kept)
   os.replace(path + ".tmp", path)
+
+
+def _wandb_run(workdir: str, config):
+  """A W&B run for `workdir`: its id is kept there, so a resumed run continues the same W&B run."""
+  import wandb  # optional dependency (pyproject's `wandb` extra); validate.py checks it is there
+  id_file = os.path.join(workdir, "wandb_id")
+  run_id = open(id_file).read().strip() if os.path.exists(id_file) else uuid.uuid4().hex[:12]
+  with open(id_file, "w") as f:
+    f.write(run_id + "\n")
+  return wandb.init(project=config.wandb.project, group=config.wandb.group or None, id=run_id, resume="allow",
+                    name=os.path.basename(os.path.abspath(workdir)), dir=workdir,
+                    config={"git_commit": git_commit(), **config.to_dict()})
+
+
+def git_commit() -> str:
+  """The checkout's commit (with `+changes` when files differ from it), or "unknown" outside git."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return commit + ("+changes" if dirty else "")

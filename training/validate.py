@@ -5,6 +5,7 @@ module covers what only the training run uses. Each bad value gets one sentence 
 the value and what would work.
 """
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -46,6 +47,9 @@ def check_run(config) -> None:
   _at_least(config, "data.prefetch", 0, " (0 builds each batch when it is needed)")
   _at_least(config, "checkpoint.every", 0, " (0 saves only the last step)")
   _at_least(config, "checkpoint.keep", 1, ": the newest k checkpoints are kept, and 0 would delete them all")
+  if config.wandb.project and importlib.util.find_spec("wandb") is None:
+    raise ValueError(f"wandb.project={config.wandb.project!r} needs the wandb package: pip install -e '.[wandb]' "
+                     "(or leave wandb.project empty; TensorBoard and metrics.jsonl are always written).")
   for field in ("model.num_layers", "model.num_heads", "model.vocab_size", "model.max_len",
                 "model.embed_dim", "model.mlp_dim"):
     _at_least(config, field, 1)
