@@ -4,8 +4,10 @@ import json
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import tiny_config
@@ -75,7 +77,7 @@ def test_init_from_uses_its_own_tokenizer_and_refuses_data_another_wrote(tokeniz
   assert run_tokenizer("", "byte", "data/corpus").name == "byte"
 
 
-def test_export_carries_the_tokenizer_the_text_went_through(tokenizer_dir, tmp_path):
+def test_export_carries_the_tokenizer_the_text_went_through_and_writes_bf16(tokenizer_dir, tmp_path):
   write_corpus(tmp_path / "text")
   prepare.prepare(tmp_path / "text", tmp_path / "tokens", tokenizer_name=f"hf:{tokenizer_dir}", val_fraction=0.0)
   config = tiny_config(**{"mesh.data": 1, "data.source": "tokens", "data.path": str(tmp_path / "tokens"),
@@ -87,4 +89,11 @@ def test_export_carries_the_tokenizer_the_text_went_through(tokenizer_dir, tmp_p
   export(config.workdir, str(tmp_path / "exported"))
   for name in ("tokenizer.json", "tokenizer_config.json"):
     assert (tmp_path / "exported" / name).read_bytes() == (tokenizer_dir / name).read_bytes()
-  assert (tmp_path / "exported" / "config.json").is_file()
+  assert json.loads((tmp_path / "exported" / "config.json").read_text())["dtype"] == "float32"
+  # bfloat16: the same weights rounded, and config.json says so.
+  export(config.workdir, str(tmp_path / "bf16"), dtype="bfloat16")
+  full, half = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("exported", "bf16"))
+  assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+  assert sorted(full) == sorted(half) and all(half[k].dtype == ml_dtypes.bfloat16 for k in half)
+  for key in full:
+    np.testing.assert_array_equal(half[key], full[key].astype(ml_dtypes.bfloat16))

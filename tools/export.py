@@ -2,10 +2,11 @@
 
   python tools/export.py --workdir runs/finetune --output exported/finetune             # newest step
   python tools/export.py --workdir runs/finetune --step 200 --output exported/step200
+  python tools/export.py --workdir runs/finetune --output exported/bf16 --dtype bfloat16    # half the bytes
 
 Reads only the parameters of the step (not the optimizer state) onto one CPU
 device, whatever mesh wrote them, and writes config.json and model.safetensors
-(float32) into a new directory, all at once or not at all. The model's shape
+(float32, or bfloat16 with --dtype=bfloat16) into a new directory, all at once or not at all. The model's shape
 comes from the config saved with the checkpoint. When the run's text went
 through a Hugging Face tokenizer (init_from=hf:DIR with DIR's tokenizer, or
 token data prepared with --tokenizer=hf:DIR), its files are copied in too, so
@@ -30,7 +31,7 @@ from training.tokenizer import HF_SCHEME, HfTokenizer, checkpoint_tokenizer, loa
 from training.state import param_count, plan  # pylint: disable=wrong-import-position
 
 
-def export(workdir: str, output: str, step: int | None = None) -> str:
+def export(workdir: str, output: str, step: int | None = None, dtype: str = "float32") -> str:
   """Export `step` (default: the newest) of `workdir`'s checkpoints to `output`; returns what was written."""
   hf_checkpoint.check_new_directory(output)
   checkpoints = Checkpoints(workdir, every=0, keep=None)
@@ -54,7 +55,7 @@ def export(workdir: str, output: str, step: int | None = None) -> str:
     checkpoints.close()
   folder = tokenizer_folder(config)
   beside = tuple(path for path in (folder / name for name in HfTokenizer.FILES) if path.is_file()) if folder else ()
-  target = hf_checkpoint.write(output, layout.model, params, beside)
+  target = hf_checkpoint.write(output, layout.model, params, beside, dtype)
   return (f"exported step {step} of {workdir} ({layout.model.family}, {param_count(layout):,} parameters) "
           f"to {target}")
 
@@ -75,6 +76,7 @@ def define_flags():
   flags.DEFINE_string("output", None, "A new (or empty) directory for config.json and model.safetensors.",
                       required=True)
   flags.DEFINE_integer("step", None, "The checkpoint step to export; default: the newest.")
+  flags.DEFINE_enum("dtype", "float32", sorted(hf_checkpoint.EXPORT_DTYPES), "The stored weights' dtype.")
 
 
 def main(argv):
@@ -83,7 +85,7 @@ def main(argv):
   args = flags.FLAGS
   logging.set_verbosity(logging.WARNING)  # keep orbax's restore chatter off the console
   try:
-    print(export(args.workdir, args.output, args.step))
+    print(export(args.workdir, args.output, args.step, args.dtype))
   except ValueError as error:
     sys.exit(f"export.py: {error}")  # one line on stderr, exit status 1
 

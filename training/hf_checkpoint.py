@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -215,11 +216,17 @@ def check_new_directory(directory: str) -> Path:
   return target
 
 
-def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ...] = ()) -> Path:
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ...] = (),
+          dtype: str = "float32") -> Path:
   """Write host `params` (meshlm's layout) as a Hugging Face directory; nothing is left behind on failure.
 
-  Files `beside` (a tokenizer's) are copied in with the weights.
+  Weights are stored in `dtype` (EXPORT_DTYPES). Files `beside` (a tokenizer's) are copied in with them.
   """
+  if dtype not in EXPORT_DTYPES:
+    raise ValueError(f"--dtype={dtype} cannot be exported; use one of {', '.join(EXPORT_DTYPES)}.")
   target = check_new_directory(directory)
   tied = tied_head(cfg, params)
   hf = {}
@@ -229,12 +236,13 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
       leaf = leaf[key]
     layers = [(layer, leaf[layer]) for layer in range(cfg.num_layers)] if path[0] == STACKED else [(None, leaf)]
     for layer, array in layers:
-      hf.setdefault(tensor.name.format(layer=layer), _to_hf(tensor, np.asarray(array, np.float32)))
+      hf.setdefault(tensor.name.format(layer=layer),
+                    _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
   target.parent.mkdir(parents=True, exist_ok=True)
   partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
   try:
     save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
-    (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied), indent=2) + "\n")
+    (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied, dtype), indent=2) + "\n")
     for path in beside:
       shutil.copyfile(path, partial / path.name)
     os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory

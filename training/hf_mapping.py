@@ -159,15 +159,15 @@ def _llama_fields(hf: dict, where: str) -> dict:
               norm_eps=hf.get("rms_norm_eps", NORM_EPS["llama"]), rope_theta=float(rope["rope_theta"]))
 
 
-def hf_config(cfg: ModelConfig, tied: bool) -> dict:
-  """A config.json that transformers builds the same model from, with float32 weights."""
+def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
+  """A config.json that transformers builds the same model from, with `dtype` weights."""
   if cfg.family == "gpt2":
     return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
                 n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
                 vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
                 # meshlm trains without dropout; unwritten, transformers would fill in GPT-2's 0.1.
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
-                tie_word_embeddings=True, dtype="float32")
+                tie_word_embeddings=True, dtype=dtype)
   return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
@@ -175,4 +175,4 @@ def hf_config(cfg: ModelConfig, tied: bool) -> dict:
               hidden_act="silu", attention_dropout=0.0, attention_bias=False, mlp_bias=False,
               rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-              tie_word_embeddings=tied, dtype="float32")
+              tie_word_embeddings=tied, dtype=dtype)
