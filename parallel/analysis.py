@@ -125,7 +125,7 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None) -> l
   depth, loop_body, trips, where = _loop_nesting(text, known_trips)
   lines = text.splitlines()
   uses = _uses(lines) if partitioned is not None else {}
-  found, folded = {}, {}
+  found = {}
   for line_number, line in enumerate(lines):
     match = _INSTRUCTION.match(line)
     if not match:

@@ -97,10 +97,15 @@ def test_small_blocks_and_chunks_match_the_plain_run(family):
   assert_tree_close(grads, ref_grads, "gradient")
 
 
+@pytest.fixture(scope="module")
+def one_device_gpt2():
+  return loss_and_gradients({"model.num_heads": 8, "mesh.data": 1}, jax.devices()[:1])
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ulysses", "allgather"])
-def test_small_blocks_sharded_over_sequence_tensor_and_data(strategy):
+def test_small_blocks_sharded_over_sequence_tensor_and_data(strategy, one_device_gpt2):
   base = {"model.num_heads": 8, "mesh.data": 1}
-  ref_loss, ref_grads = loss_and_gradients(base, jax.devices()[:1])
+  ref_loss, ref_grads = one_device_gpt2
   loss, grads = loss_and_gradients({**base, **BLOCKS, "mesh.sequence": 2, "mesh.tensor": 2, "mesh.data": 2,
                                     "attention.context": strategy}, jax.devices())
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
