@@ -37,7 +37,16 @@ def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterat
   if text_field not in first:
     raise ValueError(f"--dataset={dataset} has no field {text_field!r}; its fields are "
                      f"{', '.join(sorted(first))}: pass one as --text_field.")
-  return (record[text_field] or "" for record in records)
+  return _texts(records, dataset, text_field)
+
+
+def _texts(records, dataset: str, text_field: str) -> Iterator[str]:
+  for number, record in enumerate(records):
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
+      raise ValueError(f"--dataset={dataset} record {number} has a {type(text).__name__} in {text_field!r}, "
+                       "not text; pass the field that holds each document's text as --text_field.")
+    yield text or ""
 
 
 def _local_files(path: Path) -> tuple[str, list[Path]]:

@@ -33,6 +33,7 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
                        val_fraction: float, extra_meta: dict | None = None) -> dict:
   """Streams token chunks into train.bin / val.bin / meta.json; returns the meta."""
   folder = Path(folder)
+  created = not folder.exists()  # a folder made here goes again if the write fails
   folder.mkdir(parents=True, exist_ok=True)
   dtype = token_dtype(vocab_size)
   # Unique temp names: concurrent writers (processes on one host, or hosts sharing a
@@ -60,9 +61,12 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
     for name, temp in temps.items():  # meta.json last: it vouches for the .bin files
       os.replace(temp, folder / name)
     return meta
-  finally:
+  except BaseException:
     for temp in temps.values():
       temp.unlink(missing_ok=True)
+    if created and not any(folder.iterdir()):
+      folder.rmdir()
+    raise
 
 
 def read_meta(folder) -> dict:
