@@ -71,7 +71,16 @@ def compare(job):
     json.dump(result, f)
 
 
-JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare}
+def tokenize(job):
+  """The ids transformers' own tokenizer gives a directory's texts (no special tokens added), and its eos id."""
+  from transformers import AutoTokenizer
+  tokenizer = AutoTokenizer.from_pretrained(job["tokenize"])
+  with open(job["out"], "w") as f:
+    json.dump({"ids": [tokenizer.encode(text, add_special_tokens=False) for text in job["texts"]],
+               "eos": tokenizer.eos_token_id}, f)
+
+
+JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize}
 
 if __name__ == "__main__":
   torch.set_num_threads(1)  # the tests run beside XLA on a small machine

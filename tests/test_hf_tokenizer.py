@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import tiny_config
 from test_data import data_config, write_corpus
+from test_hf_checkpoint import run_reference
 from tools import prepare
 from tools.export import export
 from training import data
@@ -80,8 +81,9 @@ def test_init_from_uses_its_own_tokenizer_and_refuses_data_another_wrote(tokeniz
 def test_export_carries_the_tokenizer_the_text_went_through_and_writes_bf16(tokenizer_dir, tmp_path):
   write_corpus(tmp_path / "text")
   prepare.prepare(tmp_path / "text", tmp_path / "tokens", tokenizer_name=f"hf:{tokenizer_dir}", val_fraction=0.0)
+  tok = load_tokenizer(f"hf:{tokenizer_dir}")
   config = tiny_config(**{"mesh.data": 1, "data.source": "tokens", "data.path": str(tmp_path / "tokens"),
-                          "workdir": str(tmp_path / "run")})
+                          "workdir": str(tmp_path / "run"), "model.vocab_size": tok.vocab_size})
   layout = plan(config, jax.devices()[:1])
   checkpoints = Checkpoints(config.workdir, every=0, keep=1)
   checkpoints.save_now(0, init_state(layout, config.seed), config)
@@ -97,3 +99,12 @@ def test_export_carries_the_tokenizer_the_text_went_through_and_writes_bf16(toke
   assert sorted(full) == sorted(half) and all(half[k].dtype == ml_dtypes.bfloat16 for k in half)
   for key in full:
     np.testing.assert_array_equal(half[key], full[key].astype(ml_dtypes.bfloat16))
+  # transformers opens the export as a complete model: its tokenizer gives meshlm's ids, and the model runs.
+  texts = ["héllo wörld, 日本", "the mesh trains the model"]
+  np.save(tmp_path / "tokens.npy", np.stack([tok.encode(texts[1])[:4]] * 2))
+  run_reference([{"tokenize": str(tmp_path / "exported"), "texts": texts, "out": str(tmp_path / "ids.json")},
+                 {"logits": str(tmp_path / "exported"), "tokens": str(tmp_path / "tokens.npy"),
+                  "out": str(tmp_path / "logits.npy")}], tmp_path)
+  reference = json.loads((tmp_path / "ids.json").read_text())
+  assert reference == {"ids": [tok.encode(text).tolist() for text in texts], "eos": tok.end_of_text}
+  assert np.load(tmp_path / "logits.npy").shape == (2, 4, tok.vocab_size)
