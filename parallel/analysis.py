@@ -30,6 +30,7 @@ dynamic-slice; GPU and TPU compilers fuse that pair into a reduce-scatter
 
 import collections
 import dataclasses
+import fractions
 import functools
 import glob
 import itertools
@@ -54,6 +55,7 @@ _MESH_GROUPS = re.compile(
     rf"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(({_IOTA}|[\d,\s]*)\))?"
     r"\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?\s*)*)\}")
 
@@ -105,13 +107,16 @@ def compile_partitioned(lowered):
       return compiled, dump.read()
 
 
-def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None) -> list[Collective]:
+def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
+                busy: dict[int, int] | None = None) -> list[Collective]:
   """Lists the collectives of a compiled program (or its HLO text) over `mesh`.
 
   With `partitioned` (the text `compile_partitioned` returns beside the
   executable), lists those of the program before the backend's passes, as
   a GPU or TPU compiler would receive it (module docstring), with each loop's
-  trips read off the compiled program's loop of the same name.
+  trips read off the compiled program's loop of the same name. `busy` maps a
+  loop's trips to how many of them a conditional directly in its body runs
+  (`busy_slots`); without it every trip counts.
   Async pairs count once (the `-start`; `-done` is skipped). Raises ValueError
   on a collective whose replica groups we cannot read, so a new XLA spelling
   fails loudly instead of vanishing from the counts.
@@ -122,7 +127,7 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None) -> l
   known_trips = {}
   if partitioned is not None:
     known_trips, text = _trip_counts(text), partitioned
-  depth, loop_body, trips, where = _loop_nesting(text, known_trips)
+  depth, loop_body, trips, where = _loop_nesting(text, known_trips, busy or {})
   lines = text.splitlines()
   uses = _uses(lines) if partitioned is not None else {}
   found = {}
@@ -188,15 +193,16 @@ _DOT = re.compile(r"\bdot\(%([\w.\-]+(?:#\d+)?), %([\w.\-]+(?:#\d+)?)\).*?lhs_co
 _ARRAY_TYPE = re.compile(r"\w+\[[\d,]*\]")
 
 
-def matmul_flops(compiled, partitioned: str) -> int:
+def matmul_flops(compiled, partitioned: str, busy: dict[int, int] | None = None) -> int:
   """FLOPs of the dots in one device's program as partitioned: 2 x result elements x contracted size each,
   loop bodies times their trips (read off `compiled` as `collectives` does), and of a conditional only
-  its costliest branch, the one a device may run (a 1F1B slot is a forward or a backward, not both).
+  its costliest branch, the one a device may run (a 1F1B slot is a forward or a backward, not both),
+  on `busy[n]` of the trips of a loop of n trips around it (`busy_slots`), else on every trip.
 
   `compiled.cost_analysis()` also reports per-device FLOPs, but counts a while
   loop's body once whatever its trips (a scanned layer stack as one layer).
   """
-  known_trips = _trip_counts(compiled.as_text())
+  known_trips, busy = _trip_counts(compiled.as_text()), busy or {}
   own, calls, current, entry = collections.defaultdict(int), collections.defaultdict(list), None, None
   lines = partitioned.splitlines()
   types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, lines) if m}
@@ -219,21 +225,27 @@ def matmul_flops(compiled, partitioned: str) -> int:
     count = _TRIP_COUNT.search(line)
     trips = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
     branches = [callee.lstrip("%") for attribute, listed, single in _CALLEE.findall(line)
-                if attribute in ("branch_computations", "true_computation", "false_computation")
-                for callee in (re.split(r",\s*", listed) if listed else [single])]
+                if attribute in _BRANCHES for callee in (re.split(r",\s*", listed) if listed else [single])]
     if branches:
-      calls[current].append((1, branches))
+      calls[current].append((_BRANCHES[0], 1, branches))
     for attribute, listed, single in _CALLEE.findall(line):
-      if attribute not in ("branch_computations", "true_computation", "false_computation"):
+      if attribute not in _BRANCHES:
         for callee in re.split(r",\s*", listed) if listed else [single]:
-          calls[current].append((trips if attribute in ("body", "condition") else 1, [callee.lstrip("%")]))
+          calls[current].append((attribute, trips if attribute in ("body", "condition") else 1,
+                                 [callee.lstrip("%")]))
 
   @functools.cache
-  def cost(computation: str) -> int:
-    return own[computation] + sum(times * max(cost(callee) for callee in callees)
-                                  for times, callees in calls[computation])
+  def cost(computation: str, loop_trips: int | None) -> fractions.Fraction:
+    """FLOPs of one run of `computation`, which sits (directly or through calls) in a loop of `loop_trips`."""
+    total = fractions.Fraction(own[computation])
+    for attribute, times, callees in calls[computation]:
+      inner = times if attribute in ("body", "condition") else None if attribute in _BRANCHES else loop_trips
+      share = fractions.Fraction(busy[loop_trips], loop_trips) if (
+          attribute in _BRANCHES and loop_trips in busy) else 1
+      total += times * share * max(cost(callee, inner) for callee in callees)
+    return total
 
-  return cost(entry)
+  return int(cost(entry, None))
 
 
 def _trip_counts(compiled_text: str) -> dict[str, int]:
@@ -375,11 +387,13 @@ def _array_bytes(dtype: str, dims: list[int]) -> int:
   return -(-int(np.prod(dims, dtype=np.int64)) * bits // 8)
 
 
-def _loop_nesting(text: str, known_trips: dict[str, int]):
+def _loop_nesting(text: str, known_trips: dict[str, int], busy: dict[int, int]):
   """Per computation: while loops around it, the innermost body's name, and the trips it runs.
 
   A loop whose trip count the text does not carry takes it from `known_trips`
-  (by body base name), else counts once. Also returns, per line number, the
+  (by body base name), else counts once. A conditional's branches run on
+  `busy[n]` of the trips of a loop of n trips whose body holds it (directly or
+  through calls), else on every trip. Also returns, per line number, the
   computation that line sits in.
   """
   callees, where, current, entry = {}, {}, None, None
@@ -399,18 +413,22 @@ def _loop_nesting(text: str, known_trips: dict[str, int]):
       for attribute, listed, single in _CALLEE.findall(line):
         for callee in re.split(r",\s*", listed) if listed else [single]:
           is_loop = attribute in ("body", "condition")
-          callees[current].append((callee.lstrip("%"), is_loop, body.group(1) if is_loop else None,
+          callees[current].append((callee.lstrip("%"), attribute, body.group(1) if is_loop else None,
                                    count if is_loop else 1))
-  depth, loop_body, trips = {entry: 0}, {}, {entry: 1}
+  depth, loop_body, trips, loop_trips = {entry: 0}, {}, {entry: 1}, {entry: None}
   pending = [entry]
   while pending:  # A worklist: a computation may have several callers.
     caller = pending.pop()
-    for callee, is_loop, body, count in callees.get(caller, ()):
+    for callee, attribute, body, count in callees.get(caller, ()):
+      is_loop = attribute in ("body", "condition")
       new_depth = depth[caller] + is_loop
       if new_depth > depth.get(callee, -1):
         depth[callee] = new_depth
         loop_body[callee] = body if is_loop else loop_body.get(caller)
         trips[callee] = trips[caller] * count
+        loop_trips[callee] = count if is_loop else None if attribute in _BRANCHES else loop_trips[caller]
+        if attribute in _BRANCHES and loop_trips[caller] in busy:
+          trips[callee] = trips[caller] // loop_trips[caller] * busy[loop_trips[caller]]
         pending.append(callee)
   return depth, loop_body, trips, where
 

@@ -209,6 +209,10 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     return layers * saved + working + loss
   stages, micro = mesh[PIPELINE], config.pipeline.microbatches
   if config.pipeline.schedule == "1f1b":
+    # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
+    tokens = d.batch * d.length // stages
+    chunk = tokens // chunk_count(tokens, loss_chunk_positions(config.model.loss_chunk, d.batch, 1))
+    loss = 3 * chunk * d.vocab * 4 + d.activation_bytes(d.embed) // stages
     # Each stashed micro-batch's residuals; the weights' casts to the compute dtype are kept once.
     casts = layers * _cast_weight_bytes(config, mesh, weights) if (
         config.model.remat == "none" and d.compute_bytes < 4) else 0
@@ -219,7 +223,7 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
   virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
   ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
   # Autodiff through the tick loop saves every tick's stage activations, bubble ticks
-  # included, and the chunk of weights each tick slices out for its stage.
+  # included (zeros where the cond skipped the stage), and the chunk of weights each tick slices out for its stage.
   chunk = _stage_weight_bytes(config, mesh, weights) // virtual
   return ticks * ((layers // virtual) * saved + chunk) + working + loss
 
@@ -314,16 +318,8 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
 
   Recomputation (a remat policy) runs the forward again.
   """
-  accum, stages = config.grad_accum, mesh[PIPELINE]
-  if stages == 1:
-    forward = accum
-  elif config.pipeline.schedule == "1f1b":
-    forward = accum * config.pipeline.microbatches  # idle slots are skipped
-  else:
-    virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
-    # Every tick runs the stage (bubble ticks on zeros), and autodiff differentiates every tick.
-    forward = accum * schedules.circular_ticks(stages=stages, virtual=virtual,
-                                               micro=config.pipeline.microbatches) // virtual
+  # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond).
+  forward = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   backward = forward
   return forward * (2 if config.model.remat == "full" else 1), backward
 
@@ -337,7 +333,7 @@ def _tensor_parallel(config, mesh, traffic):
   forward (float32: the table is gathered before the cast), the head's input
   gradient backward (compute dtype), and the softmax's max, sum and the
   loss's contraction over the vocabulary, each a float32 value per token;
-  gpipe and interleaved run the head on 1/P of the rows on each stage.
+  a pipeline's stages run the head on 1/P of the tokens each.
   """
   if mesh[TENSOR] == 1:
     return
@@ -345,8 +341,7 @@ def _tensor_parallel(config, mesh, traffic):
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
   per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
-  head_rows = mesh[PIPELINE] if config.pipeline.schedule != "1f1b" else 1
-  outside = d.tokens * d.embed * 4 + (d.tokens * 4 * 4 + d.activation_bytes(d.embed)) // head_rows
+  outside = d.tokens * d.embed * 4 + (d.tokens * 4 * 4 + d.activation_bytes(d.embed)) // mesh[PIPELINE]
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))
@@ -358,7 +353,8 @@ def _pipeline(config, mesh, weights, traffic):
   gpipe / interleaved: one permute per tick forward and its transpose
   backward; an all-to-all scatters the last stage's outputs over the stages
   for the head, and its transpose brings their gradients back. 1f1b: a
-  forward and a backward permute per tick. (The gradients' reduction is
+  forward and a backward permute per tick, and per tick the all-to-all that
+  shares the finished micro-batch's head over the stages, and its transpose. (The gradients' reduction is
   `_gradients`'.)
   """
   stages = mesh[PIPELINE]
@@ -368,6 +364,7 @@ def _pipeline(config, mesh, weights, traffic):
   hop = d.activation_bytes(d.embed)
   if config.pipeline.schedule == "1f1b":
     ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
+    traffic[("all-to-all", PIPELINE)] += accum * 2 * ticks * _gather(hop, stages)
   else:
     virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
     ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
@@ -485,10 +482,9 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Matmul FLOPs per step of the busiest device, by part: layers, head, recompute, total.
 
   Every matmul runs forward once and backward twice (the input's gradient and the weight's). The
-  layers run on each micro-batch (a gpipe or interleaved stage on every tick, bubble ticks
-  included; a 1F1B stage only in its busy slots); the head (the logits' matmul, tied to the token
-  table in GPT-2) on the device's whole batch, which under gpipe and interleaved every stage shares
-  (1/P of the rows each) and under 1F1B the last stage runs. The embedding lookup is a gather, no
+  layers run on each micro-batch (a pipeline stage only on its busy ticks); the head (the logits'
+  matmul, tied to the token table in GPT-2) on the device's whole batch, which the stages of a
+  pipeline share (1/P of the tokens each). The embedding lookup is a gather, no
   matmul. Recompute: the remat policy's and ring attention's visiting blocks (1F1B stashes its
   stage's residuals instead of rerunning the forward).
   """
@@ -499,9 +495,7 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   recompute = _recomputed(config, parts)
   if d.context == "ring":  # the S - 1 visiting K/V blocks' QK^T, under jax.checkpoint (their PV is an output)
     recompute += parts["scores"] * (mesh[SEQUENCE] - 1) // (mesh[SEQUENCE] + 1)
-  head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length
-  if config.pipeline.schedule != "1f1b":
-    head_tokens //= mesh[PIPELINE]
+  head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in _head(config, weights))
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute}
   return {**out, "total": sum(out.values())}

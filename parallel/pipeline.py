@@ -14,15 +14,16 @@ map gathered, once per step).
 
 - gpipe and interleaved run the circular schedule of parallel/schedules.py;
   activations hop stage to stage with `ppermute`, and autodiff through the
-  tick loop gives the backward pass. Every stage looks its rows up in the
+  tick loop gives the backward pass. A stage runs under `lax.cond`, so a bubble
+  tick costs no FLOPs forward or backward (autodiff transposes the cond). Every stage looks its rows up in the
   embedding (a gather, no matmul) and the first uses them. After the loop an
   all-to-all scatters the last stage's outputs over the stages, so each
   computes the head and loss for 1/P of the rows (MaxText shards its logits'
   batch over its stage axis the same way).
 - 1f1b computes its own gradients: each tick every stage has one forward and
-  one backward slot, run under `lax.cond` so idle slots cost nothing, and the
-  last stage turns each micro-batch round at once (head, loss and its
-  gradient). The forward slot stashes the residuals of the stage's `jax.vjp`
+  one backward slot, run under `lax.cond` so idle slots cost nothing, and
+  each micro-batch is turned round as it leaves the last stage (head, loss
+  and its gradient), every stage running the head on 1/P of its tokens. The forward slot stashes the residuals of the stage's `jax.vjp`
   (what the remat policy keeps) and the backward slot applies them, so nothing
   is recomputed beyond the policy; a stage holds at most min(M, 2P - 1)
   micro-batches' residuals. Gradients accumulate inside the slots that make them.
@@ -130,7 +131,8 @@ def _circular(layout, params, inputs_BT, targets_BT, scale):
       chunk = jax.tree.map(
           lambda w: jax.lax.dynamic_slice_in_dim(w, (s // stages) * chunk_layers, chunk_layers),
           params[STACKED])
-      y_bTD = jnp.where(valid, _run_stage(layout, params, chunk, x_bTD), 0)
+      # A bubble tick does no work: the stage runs under lax.cond, and so does its backward pass.
+      y_bTD = jax.lax.cond(valid, lambda x: _run_stage(layout, params, chunk, x), jnp.zeros_like, x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), y_bTD
 
     _, y_tbTD = jax.lax.scan(tick, _varying(jnp.zeros_like(x_MbTD[0])), jnp.arange(ticks))
@@ -161,13 +163,14 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   def embed(shared):
     return split(nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).embed_tokens(inputs_BT))
 
-  def head_loss(shared, y_bTD, targets_bT):
-    loss = nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).head_loss(y_bTD, targets_bT)
-    loss = loss / (micro * _shards(layout))
+  def head_loss(shared, y_btD, targets_bt):
+    loss = nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).head_loss(y_btD, targets_bt)
+    loss = loss / (micro * _shards(layout) * stages)
     return scale * loss, loss
 
   x_MbTD, embed_vjp = jax.vjp(embed, shared)
-  targets_MbT = split(targets_BT)
+  # Every stage runs the head on 1/P of each micro-batch's tokens: this stage's share of the targets.
+  targets_MPt = split(targets_BT).reshape(micro, stages, 1, -1)
 
   # The stage's vjp is a pytree of residual arrays. Those that carry the micro-batch's rows are stashed
   # from the forward slot for the backward slot; the rest (the weights, their casts to the compute
@@ -191,10 +194,10 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
     d_blocks, d_x_bTD = stage_vjp(d_out_bTD)
     return jax.tree.map(jnp.add, block_grads, d_blocks), d_x_bTD
 
-  def turn_round(loss, shared_grads, y_bTD, targets_bT):
-    (_, f_loss), (head_grads, d_y_bTD) = jax.value_and_grad(head_loss, argnums=(0, 1), has_aux=True)(
-        shared, y_bTD, targets_bT)
-    return loss + f_loss, jax.tree.map(jnp.add, shared_grads, head_grads), d_y_bTD
+  def turn_round(loss, shared_grads, y_1tD, targets_1t):
+    (_, f_loss), (head_grads, d_y_1tD) = jax.value_and_grad(head_loss, argnums=(0, 1), has_aux=True)(
+        shared, y_1tD, targets_1t)
+    return loss + f_loss, jax.tree.map(jnp.add, shared_grads, head_grads), d_y_1tD
 
   def tick(carry, t):
     incoming_bTD, cotangent_bTD, stash, loss, shared_grads, block_grads, d_x_MbTD = carry
@@ -204,10 +207,17 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
     x_bTD = jnp.where(stage == 0, x_MbTD[jnp.clip(f, 0, micro - 1)], incoming_bTD)
     y_bTD, stash = jax.lax.cond(
         f_ok, forward, lambda x, stash, _: (_varying(jnp.zeros_like(x)), stash), x_bTD, stash, f)
-    # The last stage turns micro-batch f round at once: head, loss and its gradient.
-    loss, shared_grads, d_y_bTD = jax.lax.cond(
-        last & f_ok, turn_round, lambda loss, grads, y, _: (loss, grads, _varying(jnp.zeros_like(y))),
-        loss, shared_grads, y_bTD, targets_MbT[jnp.clip(f, 0, micro - 1)])
+    # Micro-batch `done` leaves the last stage and is turned round at once (head, loss and its
+    # gradient), the head shared by every stage: an all-to-all hands each 1/P of its tokens, and
+    # their gradients come back to the last stage by the transposed all-to-all.
+    done = t - (stages - 1)
+    y_1tD = jax.lax.all_to_all(y_bTD.reshape(stages, 1, -1, y_bTD.shape[-1]), PIPELINE, 0, 0)[stages - 1]
+    loss, shared_grads, d_y_1tD = jax.lax.cond(
+        (done >= 0) & (done < micro), turn_round,
+        lambda loss, grads, y, _: (loss, grads, _varying(jnp.zeros_like(y))),
+        loss, shared_grads, y_1tD, targets_MPt[jnp.clip(done, 0, micro - 1), stage])
+    d_y_bTD = jax.lax.all_to_all(jnp.broadcast_to(d_y_1tD, (stages, *d_y_1tD.shape)), PIPELINE, 0, 0)
+    d_y_bTD = d_y_bTD.reshape(y_bTD.shape)
     # Backward slot: micro-batch b, from the residuals its forward slot stashed.
     block_grads, d_x_bTD = jax.lax.cond(
         b_ok, backward, lambda grads, _, __, d: (grads, _varying(jnp.zeros_like(d))),

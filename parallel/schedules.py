@@ -74,6 +74,18 @@ def timeline(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> lis
   return rows
 
 
+def busy_slots(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> dict[int, int]:
+  """{the schedule's ticks: the ticks a stage's slot is busy}, the same for each slot and stage.
+
+  Every slot runs under lax.cond, so of its loop's ticks a slot does work on
+  these alone: the reading of a compiled pipeline (parallel/analysis.py `busy`).
+  """
+  rows = timeline(schedule, stages=stages, micro=micro, virtual=virtual)
+  busy = {sum("F" in cell for cell in row) for row in rows}
+  assert len(busy) == 1, f"stages of {schedule} differ in busy ticks: {busy}"
+  return {len(rows[0]): busy.pop()}
+
+
 def idle_fraction(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> float:
   """The share of stage-time the schedule leaves idle: its bubble, as the code runs it.
 

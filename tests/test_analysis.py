@@ -290,6 +290,21 @@ def test_matmul_flops_count_loop_trips_and_a_conditional_s_costliest_branch(mesh
   assert analysis.matmul_flops(*analysis.compile_partitioned(lowered)) == 2 * 32 * 64 * (5 * 64 + 128)
 
 
+def test_busy_counts_a_conditional_in_a_loop_on_that_many_trips(mesh):
+  a = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P()))
+
+  def run(a):
+    def tick(carry, t):  # a 32 x 64 x 64 product under a cond, in each of 6 trips
+      return jax.lax.cond(t < 2, lambda x: x @ jnp.ones((64, 64)), lambda x: x, carry), None
+    return jax.lax.scan(tick, a, jnp.arange(6))[0].sum()
+
+  compiled, partitioned = analysis.compile_partitioned(jax.jit(run).lower(a))
+  product = 2 * 32 * 64 * 64
+  assert analysis.matmul_flops(compiled, partitioned) == 6 * product
+  assert analysis.matmul_flops(compiled, partitioned, busy={6: 2}) == 2 * product
+  assert analysis.matmul_flops(compiled, partitioned, busy={5: 2}) == 6 * product  # another loop's trips
+
+
 def test_a_one_device_program_is_read_before_optimisations():
   lowered = jax.jit(lambda a: (a @ a).sum()).lower(jnp.ones((8, 8)))
   assert analysis.matmul_flops(*analysis.compile_partitioned(lowered)) == 2 * 8 * 8 * 8

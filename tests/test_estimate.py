@@ -7,7 +7,8 @@ the bytes each device sends per step, per kind and mesh axes, read off the
 program as partitioned, before the CPU backend's passes (what a GPU or TPU
 compiler receives, parallel/analysis.py), within 10%. FLOPs per device: the
 estimated matmul FLOPs against the partitioned program's dots (loops times
-their trips), within 10% on every layout without a pipeline.
+their trips, a pipeline's lax.cond slots on the ticks its schedule fills),
+within 10% on every layout.
 
 BY_HAND holds, worked out by hand, the textbook figures the estimate must
 equal exactly; the compiled program sends each within 10%, plus only the
@@ -19,7 +20,7 @@ import pytest
 from conftest import tiny_config
 from configs.gpt2 import get_config
 from parallel import analysis, estimate
-from training.dry_run import compile_partitioned_train_step, model_weights
+from training.dry_run import busy_slots, compile_partitioned_train_step, model_weights
 from training.state import plan
 
 TOLERANCE = 0.15  # memory
@@ -30,6 +31,7 @@ LAYOUTS = {
     "fsdp data=8": {"mesh.data": 8, "sharding.zero": 3},
     "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4},
     "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2},
+    "data=4 x pipeline=2, 1f1b": {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.schedule": "1f1b"},
     "data=2 x sequence=4": {"mesh.data": 2, "mesh.sequence": 4},
     "moe data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4},
 }
@@ -78,7 +80,9 @@ BY_HAND = {
 
 
 # Keys the compiled program adds beside a textbook it otherwise matches: the router's scalar statistics.
-EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")}}
+EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")},
+              # As under gpipe (BY_HAND): the gradient norm's per-leaf partial sums over the stages.
+              "data=4 x pipeline=2, 1f1b": {("all-reduce", "pipeline")}}
 # The activation estimate does not model MoE's dispatch and combine tensors (1.67x low).
 MEMORY_LAYOUTS = [name for name in LAYOUTS if not name.startswith("moe")]
 
@@ -140,7 +144,7 @@ def test_collective_estimate_matches_compiled(name, compiled):
   textbook = estimate.collectives(config, mesh, weights)
   _, expected, extra = BY_HAND.get(name, (None, None, EXTRA_KEYS.get(name, set())))
   expected = expected or textbook  # where the program departs from the textbook: what it sends instead
-  found = analysis.collectives(program, mesh_object, partitioned)
+  found = analysis.collectives(program, mesh_object, partitioned, busy_slots(config, mesh))
   sent, table = analysis.traffic_per_step(found), analysis.summary_table(found)
   assert set(sent) - extra == set(expected), table
   for key in expected:
@@ -179,8 +183,9 @@ def test_flops_estimate_by_hand():
   assert estimate.flops(config, mesh, weights)["total"] == TINY_DATA8_FLOPS + 9437184
 
 
-@pytest.mark.parametrize("name", [name for name, overrides in LAYOUTS.items() if "mesh.pipeline" not in overrides])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_flops_estimate_matches_compiled(name, compiled):
   config, mesh, weights, (program, partitioned), _ = compiled[name]
-  assert_close(estimate.flops(config, mesh, weights)["total"], analysis.matmul_flops(program, partitioned),
+  assert_close(estimate.flops(config, mesh, weights)["total"],
+               analysis.matmul_flops(program, partitioned, busy_slots(config, mesh)),
                f"{name} FLOPs", COLLECTIVE_TOLERANCE)

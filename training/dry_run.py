@@ -4,13 +4,14 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from parallel import analysis, estimate
+from parallel import analysis, estimate, schedules
+from parallel.mesh import PIPELINE
 from training.state import Layout, build_model, model_config, param_count
 from training.step import make_train_step
 
 MiB = 2**20
 IDEAL = "ideal: 6N per token + attention, over every device, remat none"
-COMPILED_FLOPS = "compiled: dots of the partitioned program, loops times trips"
+COMPILED_FLOPS = "compiled: dots of the partitioned program, loops times trips, pipeline slots when busy"
 COST_ANALYSIS = "compiled: cost_analysis() (counts each loop body once)"
 
 
@@ -30,6 +31,15 @@ def compile_train_step(layout: Layout, config):
 def compile_partitioned_train_step(layout: Layout, config):
   """The compiled step and its HLO before the backend's passes (analysis.compile_partitioned)."""
   return analysis.compile_partitioned(make_train_step(layout, config).lower(*abstract_inputs(layout, config)))
+
+
+def busy_slots(config, mesh: dict) -> dict[int, int]:
+  """How many of the pipeline's ticks each of its lax.cond slots runs (none without a pipeline)."""
+  if mesh[PIPELINE] == 1:
+    return {}
+  p = config.pipeline
+  return schedules.busy_slots(p.schedule, stages=mesh[PIPELINE], micro=p.microbatches,
+                              virtual=p.virtual_stages if p.schedule == "interleaved" else 1)
 
 
 def model_weights(config) -> list[estimate.Weight]:
@@ -83,7 +93,7 @@ def flops_rows(config, mesh: dict, compiled, partitioned) -> list[tuple[str, int
   analysis_flops = (compiled.cost_analysis() or {}).get("flops")
   return [*((f"estimate: {part}", value) for part, value in guess.items()),
           (IDEAL, estimate.ideal_flops(config, mesh, weights)),
-          (COMPILED_FLOPS, analysis.matmul_flops(compiled, partitioned)),
+          (COMPILED_FLOPS, analysis.matmul_flops(compiled, partitioned, busy_slots(config, mesh))),
           (COST_ANALYSIS, None if analysis_flops is None else int(analysis_flops))]
 
 
@@ -100,8 +110,9 @@ def format_flops(rows) -> str:
 def report(layout: Layout, config) -> str:
   """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective."""
   compiled, partitioned = compile_partitioned_train_step(layout, config)
-  found = analysis.collectives(compiled, layout.mesh, partitioned)
-  found_backend = analysis.collectives(compiled, layout.mesh)
+  busy = busy_slots(config, dict(layout.mesh.shape))
+  found = analysis.collectives(compiled, layout.mesh, partitioned, busy)
+  found_backend = analysis.collectives(compiled, layout.mesh, busy=busy)
   mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.shape.items())
   lines = [f"parameters: {param_count(layout):,}", f"mesh: {mesh} ({layout.mesh.size} devices)",
            "memory (compiled: memory_analysis()) and collective bytes sent per step (ring traffic of the "
