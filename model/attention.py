@@ -90,12 +90,30 @@ def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
 
 
 def _flash_backward(blocks, saved, cotangents):
+  q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT = saved
+  d_q_BTNH, d_k_BSKH, d_v_BSKH = _block_gradients(
+      blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S))
+  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype), d_v_BSKH.astype(v_BSKH.dtype), None, None)
+
+
+def flash_gradients(block: int, rows, keys):
+  """Float32 (dQ, dK, dV) of queries against some of the keys they attend to, in blocks of at most `block`.
+
+  `rows` = (q, q positions, out, log-sum-exp, dOut, dLse): the queries, their whole attention's
+  output and log-sum-exp (over every key, not only these) and those outputs' cotangents;
+  `keys` = (k, v, k positions). Ring attention sums these over the blocks of keys it visits.
+  """
+  blocks = (largest_divisor(rows[0].shape[1], block), largest_divisor(keys[0].shape[1], block))
+  return _block_gradients(blocks, rows, keys)
+
+
+def _block_gradients(blocks, rows, keys):
   """Flash attention's backward: per block, p = exp(s - lse), then dV, dP, dS = p (dP - D) and dQ, dK.
 
   D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p.
   """
-  q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT = saved
-  d_out_BTNH, d_lse_BKGT = cotangents
+  q_BTNH, q_positions_T, out_BTNH, lse_BKGT, d_out_BTNH, d_lse_BKGT = rows
+  k_BSKH, v_BSKH, k_positions_S = keys
   q_block, k_block = blocks
   b, t, n, h = q_BTNH.shape
   kv_heads, scale = k_BSKH.shape[2], h ** -0.5
@@ -113,7 +131,7 @@ def _flash_backward(blocks, saved, cotangents):
     def visit(d_q_bTKGH, key):
       k_bSKH, v_bSKH, k_positions_bS = key
       logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
-      visible_bS = k_positions_bS[None, :] <= q_positions_bT[:, None]
+      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS)
       probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
       d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
       d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)
@@ -132,8 +150,7 @@ def _flash_backward(blocks, saved, cotangents):
   (d_k_BSKH, d_v_BSKH), d_q_qBTNH = jax.lax.scan(
       one_query_block, d_kv_init,
       (_split(q_BTNH, q_block), _split(d_out_BTNH, q_block), q_positions_T.reshape(-1, q_block), stats_q2BKGb))
-  return (_unsplit(d_q_qBTNH).astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype),
-          d_v_BSKH.astype(v_BSKH.dtype), None, None)
+  return _unsplit(d_q_qBTNH), d_k_BSKH, d_v_BSKH
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
@@ -153,6 +170,17 @@ def merge_blocks(a, b):
   return out_BTNH, lse_BKGT
 
 
+def _visible(logits_BKGTS, q_positions_T, k_positions_S):
+  """The causal mask of one block: which keys each query sees, by token position.
+
+  Computed after the block's logits (an optimization barrier ties the two):
+  the mask depends on positions alone, and XLA would otherwise hoist it out of
+  the loops over blocks and keep every block pair's mask at once, T x S in all.
+  """
+  _, q_positions_T, k_positions_S = jax.lax.optimization_barrier((logits_BKGTS, q_positions_T, k_positions_S))
+  return k_positions_S[None, :] <= q_positions_T[:, None]
+
+
 def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
   """Normalised attention of one query block over one key block: (out, log-sum-exp of each row's scores).
 
@@ -165,7 +193,7 @@ def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
   q_BTKGH = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
   logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
   logits_BKGTS = logits_BKGTS * (h ** -0.5)
-  visible_TS = k_positions_S[None, :] <= q_positions_T[:, None]
+  visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S)
   logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   max_BKGT = logits_BKGTS.max(-1)
   exp_BKGTS = jnp.where(visible_TS, jnp.exp(logits_BKGTS - max_BKGT[..., None]), 0.0)

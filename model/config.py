@@ -23,6 +23,7 @@ class ModelConfig:
   attention: str = "xla"  # xla | cudnn
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
+  mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
@@ -96,6 +97,8 @@ class ModelConfig:
     for field in ("attention_block", "loss_chunk"):
       if getattr(self, field) < 1:
         raise ValueError(f"model.{field}={getattr(self, field)} must be a positive number of positions.")
+    if self.mlp_chunk < 0:
+      raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if self.num_experts:
       self._check_moe()
     if self.compute_dtype not in COMPUTE_DTYPES:

@@ -7,9 +7,9 @@ from model.attention import SelfAttention
 from model.config import ModelConfig
 from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
-from model.moe import MoE, feed_forward
+from model.moe import MoE
 from model.sharding_hooks import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, feed_forward, masked_vocab, stacked
 
 
 class Block(nnx.Module):
@@ -24,7 +24,7 @@ class Block(nnx.Module):
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
     x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T)
     x_BTD = constrain(x_BTD, ACTIVATION_AXES)
-    y_BTD, stats = feed_forward(self.mlp, self.ln_mlp(x_BTD), positions_T)
+    y_BTD, stats = feed_forward(self.mlp, self.ln_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats
 
 

@@ -7,9 +7,9 @@ from flax import nnx
 from model.attention import attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param, vocab_param
-from model.moe import MoE, feed_forward
+from model.moe import MoE
 from model.sharding_hooks import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, feed_forward, masked_vocab, stacked
 
 
 class RMSNorm(nnx.Module):
@@ -89,7 +89,7 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD, positions_T):
     x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T), ACTIVATION_AXES)
-    y_BTD, stats = feed_forward(self.mlp, self.norm_mlp(x_BTD), positions_T)
+    y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats
 
 

@@ -197,11 +197,6 @@ class MoE(nnx.Module):
     return dot(h, down_EFD) + bias(down_bias_ED)
 
 
-def feed_forward(layer, x_BTD, positions_T):
-  """A block's feed-forward layer, dense or MoE, as (output, router statistics)."""
-  return layer(x_BTD, positions_T) if isinstance(layer, MoE) else (layer(x_BTD), {})
-
-
 def summarize(stats_LX: dict) -> dict:
   """Per-layer router statistics (stacked on a leading layer axis) as the run's figures."""
   if not stats_LX:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
-from model.moe import AUX_LOSS, summarize
+from model.moe import AUX_LOSS, MoE, summarize
 from model.sharding_hooks import constrain
 
 ACTIVATION_AXES = ("batch", "length", "embed")
@@ -88,11 +88,11 @@ def token_losses(logits_BTV, targets_BT):
   return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
 
 
-def loss_chunk_positions(tokens: int, rows_per_device: int, sequence_shards: int) -> int:
-  """Positions per loss chunk that give each device about `tokens` tokens per chunk (model.loss_chunk).
+def chunk_positions(tokens: int, rows_per_device: int, sequence_shards: int) -> int:
+  """Positions per chunk that give each device about `tokens` tokens per chunk (model.loss_chunk, mlp_chunk).
 
-  Sized per device because under data parallelism each chunk's head gradient is
-  summed over the batch's devices on its own (the scan's running sum is
+  Sized per device because under data parallelism each loss chunk's head gradient
+  is summed over the batch's devices on its own (the scan's running sum is
   replicated): where the batch is spread thin, few chunks and few reductions.
   """
   return max(1, tokens * sequence_shards // max(1, rows_per_device))
@@ -103,19 +103,49 @@ def chunk_count(length: int, chunk: int) -> int:
   return next(c for c in range(-(-length // chunk), length + 1) if length % c == 0)
 
 
+def strided_chunks(x_BTX, chunks: int):
+  """(batch, length, ...) as (chunks, batch, length / chunks, ...), chunk c holding positions c, c+C, c+2C, ...
+
+  Strided, so a `length` sharded over `sequence` stays sharded within every chunk.
+  """
+  b, t = x_BTX.shape[:2]
+  return jnp.moveaxis(x_BTX.reshape(b, t // chunks, chunks, *x_BTX.shape[2:]), 2, 0)
+
+
+def unchunk(x_CBtX):
+  """strided_chunks undone."""
+  return jnp.moveaxis(x_CBtX, 0, 2).reshape(x_CBtX.shape[1], -1, *x_CBtX.shape[3:])
+
+
+def feed_forward(layer, norm, x_BTD, positions_T):
+  """A block's normalised feed-forward layer, dense or MoE, as (output, router statistics).
+
+  A dense layer with model.mlp_chunk set runs on one chunk of positions at a time,
+  each chunk recomputed in the backward pass: the norm's float32 values and the
+  MLP's hidden ones then exist for one chunk, not the whole sequence, at the
+  price of one more forward pass of the MLP. MoE routes the whole sequence at once.
+  """
+  if isinstance(layer, MoE):
+    return layer(norm(x_BTD), positions_T)
+  chunks = chunk_count(x_BTD.shape[1], layer.cfg.mlp_chunk) if layer.cfg.mlp_chunk else 1
+  if chunks == 1:
+    return layer(norm(x_BTD)), {}
+  y_CBtD = jax.lax.map(jax.checkpoint(lambda x_BtD: layer(norm(x_BtD))), strided_chunks(x_BTD, chunks))
+  return constrain(unchunk(y_CBtD), ACTIVATION_AXES), {}
+
+
 def chunked_cross_entropy(model, x_BTD, targets_BT):
   """Mean next-token cross-entropy, the head and loss run on one chunk of positions at a time.
 
-  Float32 logits exist for one chunk at a time (B x T/C x V, not B x T x V).
-  Chunk c holds positions c, c+C, c+2C, ...: strided, so a `length` sharded
-  over `sequence` stays sharded within every chunk. Each chunk's gradient
-  is taken in the forward pass (a custom VJP) and the backward pass only
-  scales it, so the logits are neither kept nor recomputed.
+  Float32 logits exist for one chunk at a time (B x T/C x V, not B x T x V),
+  chunks by strided_chunks. Each chunk's gradient is taken in the forward pass
+  (a custom VJP) and the backward pass only scales it, so the logits are
+  neither kept nor recomputed.
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
   graphdef, stack, head = nnx.split(model, nnx.PathContains(STACKED), ...)
-  to_chunks = lambda x: jnp.moveaxis(x.reshape(b, t // chunks, chunks, *x.shape[2:]), 2, 0)
+  to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt):
     return token_losses(nnx.merge(graphdef, stack, head).logits(x_BtD), targets_Bt).sum()
@@ -138,7 +168,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
     loss, (d_head, d_x_BtD) = chunk_grads(jax.tree.map(lambda x: x[0], chunks_cB))
     (total, d_head), d_x_cBtD = jax.lax.scan(one_chunk, (loss, d_head), jax.tree.map(lambda x: x[1:], chunks_cB))
     d_x_cBtD = jnp.concatenate([d_x_BtD[None], d_x_cBtD])
-    return total / (b * t), (d_head, jnp.moveaxis(d_x_cBtD, 0, 2).reshape(b, t, d))
+    return total / (b * t), (d_head, unchunk(d_x_cBtD))
 
   def backward(saved, g):
     d_head, d_x_BTD = saved

@@ -206,6 +206,9 @@ def matmul_flops(compiled, partitioned: str, busy: dict[int, int] | None = None)
   own, calls, current, entry = collections.defaultdict(int), collections.defaultdict(list), None, None
   lines = partitioned.splitlines()
   types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, lines) if m}
+  # A tuple-valued instruction's elements are named `name#i` where used, as a parameter's are.
+  types.update({f"{name}#{i}": element for name, kind in list(types.items()) if kind.startswith("(")
+                for i, element in enumerate(_ARRAY_TYPE.findall(kind))})
   for line in lines:
     if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
       current = line.removeprefix("ENTRY").split()[0].lstrip("%")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from model.attention import blockwise_attention, merge_blocks
+from model.attention import blockwise_attention, flash_gradients, merge_blocks
 from parallel.mesh import DATA, EXPERT, SEQUENCE
 
 STRATEGIES = ("allgather", "ring", "ulysses")
@@ -56,17 +56,61 @@ def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
 
 
 def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
+  out_BTNH, _ = _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T)
+  return out_BTNH
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T):
+  return _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T)[0]
+
+
+def _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T):
+  """Each K/V block visits every device once; its queries merge what they see by log-sum-exp.
+
+  Saves only this device's Q, K, V, output and log-sum-exp, as flash attention does: the
+  backward pass sends the blocks round again rather than keep S - 1 visitors' worth.
+  """
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
-  ring = [(i, (i + 1) % shards) for i in range(shards)]
-  merged = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, block)
-  kv_block = (k_BTKH, v_BTKH, positions_T)
-  # Recompute each visiting block in the backward pass rather than keep its T/S x T/S
-  # probabilities: otherwise the ring would save as much as gathering all of K/V.
-  visit = jax.checkpoint(_visit, static_argnums=(5,))
-  for hop in range(1, shards):
-    kv_block = jax.lax.ppermute(kv_block, SEQUENCE, ring)
-    merged = merge_blocks(merged, visit(q_BTNH, *kv_block, positions_T, block, me < hop))
-  return merged[0].astype(q_BTNH.dtype)
+  first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, block)
+
+  def hop(carry, hop):  # a scan, not a Python loop, so one visitor's buffers live at a time
+    merged, kv_block = carry
+    kv_block = jax.lax.ppermute(kv_block, SEQUENCE, _next(shards))
+    return (merge_blocks(merged, _visit(q_BTNH, *kv_block, positions_T, block, me < hop)), kv_block), None
+
+  start = ((first[0].astype(jnp.float32), first[1]), (k_BTKH, v_BTKH, positions_T))
+  (merged, _), _ = jax.lax.scan(hop, start, jnp.arange(1, shards))
+  out_BTNH, lse_BKGT = merged[0].astype(q_BTNH.dtype), merged[1]
+  return (out_BTNH, lse_BKGT), (q_BTNH, k_BTKH, v_BTKH, positions_T, out_BTNH, lse_BKGT)
+
+
+def _ring_backward(block, saved, cotangents):
+  """Ring attention's backward: each K/V block goes round again, carrying the gradients of its keys and
+  values, to which every device adds its queries' share (flash attention's backward against this
+  device's saved output and log-sum-exp); one last hop brings them home."""
+  q_BTNH, k_BTKH, v_BTKH, positions_T, out_BTNH, lse_BKGT = saved
+  shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
+  rows = (q_BTNH, positions_T, out_BTNH, lse_BKGT, *cotangents)
+  d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(block, rows, (k_BTKH, v_BTKH, positions_T))
+
+  def hop(carry, hop):
+    d_q_BTNH, kv_block = carry
+    kv_block = jax.lax.ppermute(kv_block, SEQUENCE, _next(shards))
+    d_q, d_k, d_v = _visit_gradients(rows, kv_block[:3], block, me < hop)
+    return (d_q_BTNH + d_q, (*kv_block[:3], kv_block[3] + d_k, kv_block[4] + d_v)), None
+
+  start = (d_q_BTNH, (k_BTKH, v_BTKH, positions_T, d_k_BTKH, d_v_BTKH))
+  (d_q_BTNH, kv_block), _ = jax.lax.scan(hop, start, jnp.arange(1, shards))
+  d_k_BTKH, d_v_BTKH = jax.lax.ppermute(kv_block[3:], SEQUENCE, _next(shards))
+  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BTKH.astype(k_BTKH.dtype), d_v_BTKH.astype(v_BTKH.dtype), None)
+
+
+_ring_attention.defvjp(_ring_forward, _ring_backward)
+
+
+def _next(shards: int):
+  return [(i, (i + 1) % shards) for i in range(shards)]
 
 
 def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_later):
@@ -78,9 +122,7 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
   That second pair is picked by a dynamic slice, not a branch, so every device runs the same
   two quarter-blocks and skips the two that are fully masked.
   """
-  half = q_BTNH.shape[1] // 2
-  start = from_later.astype(jnp.int32) * half
-  take = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis)
+  half, take = _halves(q_BTNH, from_later)
   always = blockwise_attention(q_BTNH[:, half:], k_BTKH[:, :half], v_BTKH[:, :half], q_positions_T[half:],
                                k_positions_T[:half], block)
   picked = blockwise_attention(take(q_BTNH), take(k_BTKH), take(v_BTKH), take(q_positions_T, 0),
@@ -92,6 +134,32 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
   second_out, second_lse = merge_blocks(always, pick(from_later))
   return (jnp.concatenate([first_out.astype(jnp.float32), second_out], axis=1),
           jnp.concatenate([first_lse, second_lse], axis=-1))
+
+
+def _visit_gradients(rows, kv_block, block, from_later):
+  """`_visit`'s two quarter-blocks differentiated: float32 (dQ, dK, dV) of this device's rows and the visitor's block."""
+  half, take = _halves(rows[0], from_later)
+  row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)  # sequence axes: q, positions, out, lse, dOut, dLse; k, v, positions
+  part = lambda xs, axes, start: [jax.lax.slice_in_dim(x, start, start + half, axis=a % x.ndim) for x, a in zip(xs, axes)]
+  # Local half 2 against the visitor's half 1, always; the picked pair by the same dynamic slice as forward.
+  always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0))
+  picked = flash_gradients(block, [take(x, a) for x, a in zip(rows, row_axes)],
+                           [take(x, a) for x, a in zip(kv_block, kv_axes)])
+  start = from_later.astype(jnp.int32) * half
+  add_picked = lambda whole, add: jax.lax.dynamic_update_slice_in_dim(
+      whole, jax.lax.dynamic_slice_in_dim(whole, start, half, 1) + add, start, 1)
+  zeros = lambda x: x.astype(jnp.float32) * 0  # from the inputs, so it keeps their varying axes
+  d_q = add_picked(zeros(rows[0]).at[:, half:].set(always[0]), picked[0])
+  d_k = add_picked(zeros(kv_block[0]).at[:, :half].set(always[1]), picked[1])
+  d_v = add_picked(zeros(kv_block[1]).at[:, :half].set(always[2]), picked[2])
+  return d_q, d_k, d_v
+
+
+def _halves(q_BTNH, from_later):
+  """Half the local length, and a slice of the half `from_later` picks (the second half if true)."""
+  half = q_BTNH.shape[1] // 2
+  start = from_later.astype(jnp.int32) * half
+  return half, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
 
 
 def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, block):

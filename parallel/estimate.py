@@ -29,7 +29,7 @@ import numpy as np
 from model import moe
 from model.attention import largest_divisor
 from model.config import VOCAB_MULTIPLE
-from model.transformer import chunk_count, loss_chunk_positions
+from model.transformer import chunk_count, chunk_positions
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
@@ -65,6 +65,7 @@ class Dims:
   context: str
   attention_block: int  # model.attention_block: the longest query or key run scored at once
   loss_positions: int  # positions of the local sequence in one chunk of the head and loss (model.loss_chunk)
+  mlp_chunks: int  # chunks of positions a dense MLP runs in (model.mlp_chunk; 1: the whole sequence)
 
   @property
   def keys(self) -> int:
@@ -98,7 +99,8 @@ def dims(config, mesh: dict) -> Dims:
               context=config.attention.context if mesh[SEQUENCE] > 1 else "none",
               attention_block=m.attention_block,
               loss_positions=m.max_len // mesh[SEQUENCE] // chunk_count(
-                  m.max_len, loss_chunk_positions(m.loss_chunk, batch, mesh[SEQUENCE])))
+                  m.max_len, chunk_positions(m.loss_chunk, batch, mesh[SEQUENCE])),
+              mlp_chunks=chunk_count(m.max_len, chunk_positions(m.mlp_chunk, batch, mesh[SEQUENCE])) if m.mlp_chunk else 1)
 
 
 def shard_elements(weight: Weight, mesh: dict, table) -> int:
@@ -142,6 +144,8 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   values (tanh-GELU: five; SwiGLU: six), and per attention score three float32
   values (logits, exponentials, probabilities) and one in the compute dtype;
   blockwise attention keeps no scores, only its float32 output and log-sum-exp.
+  A chunked MLP (model.mlp_chunk) keeps neither its hidden values nor its
+  norm's three float32 values, only while it recomputes one chunk of them.
   Below float32 the step also keeps each layer's weight matrices cast to the
   compute dtype. XLA on the CPU keeps all of it; a fusing backend may keep less.
   """
@@ -149,8 +153,10 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   heads = (4 * d.heads if gpt2 else 2 * d.heads + 2 * d.kv_heads) * d.head_dim * c
   mlp = (5 if gpt2 else 6) * d.mlp * c
   scores = d.heads * (d.head_dim + 1) * f32 if d.blockwise else d.heads * d.keys * (3 * f32 + c)
-  per_token = 6 * d.embed * f32 + 2 * d.embed * c + heads + mlp + scores
-  return d.tokens * per_token + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0)
+  feed_forward = mlp + 3 * d.embed * f32
+  per_token = 3 * d.embed * f32 + 2 * d.embed * c + heads + scores
+  return (d.tokens * per_token + d.tokens // d.mlp_chunks * feed_forward
+          + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0))
 
 
 def _cast_weight_bytes(config, mesh, weights) -> int:
@@ -200,10 +206,8 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
     working += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
   if d.context == "ring":
-    # Autodiff through the ring keeps every hop's visiting keys and values and its float32 partial
-    # output and log-sum-exp for the merges' backward pass: S - 1 blocks' worth, about the whole sequence.
-    per_token = 2 * d.kv_heads * d.head_dim * d.compute_bytes + d.heads * (d.head_dim + 1) * 4
-    working += (mesh[SEQUENCE] - 1) * d.tokens * per_token
+    # The ring's backward pass: the visiting K/V block and its float32 gradients, and dQ in float32.
+    working += d.tokens * (2 * d.kv_heads * d.head_dim * (d.compute_bytes + 4) + d.heads * d.head_dim * 4)
   saved = _remat_saved_bytes(config, d, weights)
   if mesh[PIPELINE] == 1:
     return layers * saved + working + loss
@@ -211,7 +215,7 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
   if config.pipeline.schedule == "1f1b":
     # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
     tokens = d.batch * d.length // stages
-    chunk = tokens // chunk_count(tokens, loss_chunk_positions(config.model.loss_chunk, d.batch, 1))
+    chunk = tokens // chunk_count(tokens, chunk_positions(config.model.loss_chunk, d.batch, 1))
     loss = 3 * chunk * d.vocab * 4 + d.activation_bytes(d.embed) // stages
     # Each stashed micro-batch's residuals; the weights' casts to the compute dtype are kept once.
     casts = layers * _cast_weight_bytes(config, mesh, weights) if (
@@ -376,8 +380,9 @@ def _context(config, mesh, traffic):
   """Attention over a sharded `length`: per layer, forward and backward.
 
   allgather: K and V gathered forward, their gradients reduce-scattered
-  backward. ring: S-1 hops of a K/V block (with its positions) forward and of
-  its gradients backward. ulysses: Q, K, V and the output each cross one
+  backward. ring: S-1 hops of a K/V block (with its positions) forward, and
+  backward S-1 hops of the block with its float32 gradients and one more of
+  the gradients alone. ulysses: Q, K, V and the output each cross one
   all-to-all forward and one backward.
   """
   shards = mesh[SEQUENCE]
@@ -393,7 +398,9 @@ def _context(config, mesh, traffic):
     traffic[("reduce-scatter", SEQUENCE)] += backward * layers * 2 * _gather(kv * shards, shards)
   elif strategy == "ring":
     block = 2 * kv + d.length * INT32_BYTES
-    traffic[("collective-permute", SEQUENCE)] += (forward + backward) * layers * (shards - 1) * block
+    gradients = 2 * d.tokens * d.kv_heads * d.head_dim * 4  # float32, carried with the block
+    traffic[("collective-permute", SEQUENCE)] += layers * (
+        forward * (shards - 1) * block + backward * ((shards - 1) * (block + gradients) + gradients))
   elif strategy == "ulysses":
     traffic[("all-to-all", SEQUENCE)] += (forward + backward) * layers * _gather(2 * q + 2 * kv, shards)
   else:
@@ -431,8 +438,8 @@ def _head(config, weights) -> list[Weight]:
 def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   """Forward matmul FLOPs of one device's layers on one micro-batch, by part.
 
-  dense: the layers' weight matrices, 2 FLOPs per element per token (QKV, out, MLP, router); mlp_out, the
-  MLP's output projection, is part of it. scores and values: QK^T and PV over the full T x T, 2 x T x
+  dense: the layers' weight matrices, 2 FLOPs per element per token (QKV, out, MLP, router); mlp_in and
+  mlp_out, the MLP's input (and gate) and output projections, are part of it. scores and values: QK^T and PV over the full T x T, 2 x T x
   heads x head_dim per token each: attention masks the causal half rather than skipping it (the zig-zag
   ring skips the fully masked half of each visiting block).
   experts: each device's experts over their capacity slots (E x capacity per sequence of every expert
@@ -446,6 +453,7 @@ def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   if d.context == "ring":  # its own block whole, and half of each of the S - 1 visitors (the rest is masked)
     attention = attention * (mesh[SEQUENCE] + 1) // (2 * mesh[SEQUENCE])
   parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),
+           "mlp_in": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("embed", "mlp")),
            "mlp_out": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("mlp", "embed")),
            "scores": attention, "values": attention}
   m = config.moe
@@ -457,6 +465,9 @@ def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   return parts
 
 
+_PARTS_OF_DENSE = ("mlp_in", "mlp_out")  # parts already counted in "dense"
+
+
 def _recomputed(config, parts: dict[str, int]) -> int:
   """Forward FLOPs the backward pass runs again under model.remat, per micro-batch.
 
@@ -466,13 +477,15 @@ def _recomputed(config, parts: dict[str, int]) -> int:
   dispatch and experts. save_attention and offload (attention's output kept): the rest but PV.
   """
   policy, last = config.model.remat, parts.get("combine", parts["mlp_out"])
-  everything = sum(v for k, v in parts.items() if k != "mlp_out")
+  everything = sum(v for k, v in parts.items() if k not in _PARTS_OF_DENSE)
+  # A chunked MLP (model.mlp_chunk) reruns its input projections in the backward pass whatever the policy.
+  chunked = parts["mlp_in"] if config.model.mlp_chunk and policy in ("none", "save_dots") else 0
   if policy == "none":
-    return 0
+    return chunked
   if policy == "full":
     return everything - last
   if policy == "save_dots":
-    return parts["scores"] + parts["values"] + parts.get("dispatch", 0) + parts.get("experts", 0)
+    return parts["scores"] + parts["values"] + parts.get("dispatch", 0) + parts.get("experts", 0) + chunked
   if policy in ("save_attention", "offload"):
     return everything - last - parts["values"]
   raise ValueError(f"model.remat={policy!r} has no FLOPs estimate.")
@@ -491,10 +504,10 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   d = dims(config, mesh)
   _, runs = _layer_passes(config, mesh)  # micro-batches each layer runs forward and backward
   parts = _stage_forward(config, d, mesh, weights)
-  forward = sum(v for k, v in parts.items() if k != "mlp_out")
+  forward = sum(v for k, v in parts.items() if k not in _PARTS_OF_DENSE)
   recompute = _recomputed(config, parts)
-  if d.context == "ring":  # the S - 1 visiting K/V blocks' QK^T, under jax.checkpoint (their PV is an output)
-    recompute += parts["scores"] * (mesh[SEQUENCE] - 1) // (mesh[SEQUENCE] + 1)
+  if d.context == "ring":  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does
+    recompute += parts["scores"]
   head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in _head(config, weights))
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute}

@@ -84,7 +84,8 @@ def test_chunk_count_divides_the_length():
   assert chunk_count(30, 7) == 5
 
 
-BLOCKS = {"model.attention_block": 8, "model.loss_chunk": 8}
+# Small attention blocks, loss chunks and MLP chunks (the last recomputed in backward) against the plain math.
+BLOCKS = {"model.attention_block": 8, "model.loss_chunk": 8, "model.mlp_chunk": 8}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
-from model.transformer import loss_chunk_positions
+from model.transformer import chunk_positions
 from parallel import rules
 from parallel.checks import check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
@@ -34,7 +34,7 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, attention_block=m.attention_block,
-                     loss_chunk=m.loss_chunk, compute_dtype=config.precision.compute,
+                     loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, compute_dtype=config.precision.compute,
                      kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                      num_experts=config.moe.experts,
                      moe_every=config.moe.every, moe_top_k=config.moe.top_k,
@@ -79,7 +79,8 @@ def plan(config, devices=None) -> Layout:
   check_backend(cfg, mesh.devices.flat[0])
   micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
   rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
-  cfg = dataclasses.replace(cfg, loss_chunk=loss_chunk_positions(cfg.loss_chunk, rows, mesh.shape[SEQUENCE]))
+  to_positions = lambda tokens: chunk_positions(tokens, rows, mesh.shape[SEQUENCE]) if tokens else 0
+  cfg = dataclasses.replace(cfg, loss_chunk=to_positions(cfg.loss_chunk), mlp_chunk=to_positions(cfg.mlp_chunk))
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
