@@ -1,7 +1,7 @@
 """The longest context that fits: the textbook's long-context table, from meshlm's memory estimator.
 
   python tools/longest_context.py                      # 1B Llama, bf16, 80 and 141 GB, 1 / 8 / 32 devices
-  python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none
+  python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none --mlp_chunk=0,1024
   python tools/longest_context.py --write               # and rewrite README's <!-- longest-context --> table
 
 For each device memory, device count (all of them on `sequence`, one
@@ -32,6 +32,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Mode
 _MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")
 _DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on the `sequence` axis.")
 _REMAT = flags.DEFINE_list("remat", ["full"], "model.remat policies.")
+_MLP_CHUNK = flags.DEFINE_list("mlp_chunk", ["0", "4096"], "model.mlp_chunk values (tokens per device; 0: off).")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between README's <!-- longest-context --> markers.")
 README = Path(__file__).resolve().parent.parent / "README.md"
 STEP = 1024  # lengths searched in multiples of this (times the device count)
@@ -67,15 +68,17 @@ def table(config) -> str:
   lines = [f"Longest context in tokens, {config.model.family} with {sum(math.prod(w.shape) for w in weights) / 1e9:.2f}B "
            f"parameters, {config.precision.compute}, one sequence, attention_block={config.model.attention_block}, "
            f"loss_chunk={config.model.loss_chunk}:", "",
-           "| memory per device | strategy | remat | " + " | ".join(f"{d} device{'s' * (d > 1)}" for d in devices) + " |",
-           "|---" * (3 + len(devices)) + "|"]
+           "| memory per device | strategy | remat | mlp_chunk | "
+           + " | ".join(f"{d} device{'s' * (d > 1)}" for d in devices) + " |",
+           "|---" * (4 + len(devices)) + "|"]
   for memory_gb in map(float, _MEMORY.value):
     for strategy in STRATEGIES:
       for remat in _REMAT.value:
-        config.attention.context, config.model.remat = strategy, remat
-        cells = [f"{longest(config, d, int(memory_gb * 1e9), weights):,}" if usable(config, strategy, d) else "n/a"
-                 for d in devices]
-        lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | " + " | ".join(cells) + " |")
+        for mlp_chunk in map(int, _MLP_CHUNK.value):
+          config.attention.context, config.model.remat, config.model.mlp_chunk = strategy, remat, mlp_chunk
+          cells = [f"{longest(config, d, int(memory_gb * 1e9), weights):,}" if usable(config, strategy, d)
+                   else "n/a" for d in devices]
+          lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | {mlp_chunk or 'off'} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
