@@ -59,6 +59,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention_block = 512  # xla attention: positions per query/key block; memory is linear in T
   c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: float32 logits exist chunk by chunk
   c.model.mlp_chunk = 0  # tokens per device in one chunk of the MLP, recomputed in backward (long contexts); 0: off
+  c.model.document_end = -1  # token that ends a packed document, attention stops there; data.segments sets it
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
   c.model.norm_eps = 0.0  # LayerNorm / RMSNorm epsilon; 0: the family's own (gpt2 1e-5, llama 1e-6)
@@ -119,5 +120,6 @@ def base() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic
   c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py
+  c.data.segments = False  # packed documents: attention stops at the tokenizer's end-of-text (model.document_end)
   c.data.prefetch = 2  # batches built ahead on a background thread
   return c

@@ -15,14 +15,19 @@ from model.sharding_hooks import attention_strategy, constrain
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig) -> jax.Array:
+def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None) -> jax.Array:
   """Causal attention by token position, with K <= N key/value heads (grouped-query).
 
   Positions, not array order, decide what each query may see: a context
   strategy may reorder the sequence (zig-zag ring attention) and shard it.
+  With `segments_BT` (packed documents, model.document_end) a query sees only
+  keys of its own segment.
   """
   strategy = attention_strategy()
-  if strategy is not None:
+  if segments_BT is not None:  # parallel/checks.py keeps packing off sharded sequences and cuDNN
+    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
+                                      (segments_BT, segments_BT))
+  elif strategy is not None:
     out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
   elif cfg.attention == "cudnn":
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
@@ -32,8 +37,11 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig) -> jax.Arra
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 
-def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int):
+def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int, segments=None):
   """Attention in query and key blocks of at most `block` positions: (out, log-sum-exp of each row's scores).
+
+  `segments`, if given, is (query segments [B, T], key segments [B, S]): a
+  query sees a key only of its own segment.
 
   A sequence no longer than `block` is one block (attention_block, differentiated
   by autodiff). A longer one runs flash attention's algorithm in plain JAX: an
@@ -45,8 +53,8 @@ def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, bl
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
   blocks = (largest_divisor(t, block), largest_divisor(s, block))
   if blocks == (t, s):
-    return attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
-  return _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)
+    return attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
+  return _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
 
 
 def largest_divisor(length: int, most: int) -> int:
@@ -63,37 +71,48 @@ def _unsplit(x):
   return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
+def _split_segments(segments, blocks):
+  """Query and key segments split into blocks like the queries and keys (None stays None)."""
+  return (None, None) if segments is None else tuple(_split(x, size) for x, size in zip(segments, blocks))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
-  return _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S)[0]
+def _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
+  return _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
 
 
-def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
+def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
   q_block, k_block = blocks
-  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block))
+  q_segments, k_segments = _split_segments(segments, blocks)
+  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block), k_segments)
+  pair = lambda q_segments, k_segments: None if q_segments is None else (q_segments, k_segments)
 
   def one_query_block(query):
-    q_bTNH, q_positions_bT = query
+    q_bTNH, q_positions_bT, q_segments_Bb = query
 
     def visit(merged, key):
-      return merge_blocks(merged, attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2])), None
+      block = attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2], pair(q_segments_Bb, key[3]))
+      return merge_blocks(merged, block), None
 
     # The first key block starts the running result (a zero start would lose shard_map's varying axes).
-    first = attention_block(q_bTNH, key_blocks[0][0], key_blocks[1][0], q_positions_bT, key_blocks[2][0])
-    merged, _ = jax.lax.scan(visit, (first[0].astype(jnp.float32), first[1]), tuple(x[1:] for x in key_blocks))
+    first_key, other_keys = jax.tree.map(lambda x: x[0], key_blocks), jax.tree.map(lambda x: x[1:], key_blocks)
+    first = attention_block(q_bTNH, *first_key[:2], q_positions_bT, first_key[2], pair(q_segments_Bb, first_key[3]))
+    merged, _ = jax.lax.scan(visit, (first[0].astype(jnp.float32), first[1]), other_keys)
     return merged
 
-  out_qBTNH, lse_qBKGT = jax.lax.map(one_query_block, (_split(q_BTNH, q_block), q_positions_T.reshape(-1, q_block)))
+  out_qBTNH, lse_qBKGT = jax.lax.map(
+      one_query_block, (_split(q_BTNH, q_block), q_positions_T.reshape(-1, q_block), q_segments))
   out_BTNH = _unsplit(out_qBTNH).astype(q_BTNH.dtype)
   lse_BKGT = jnp.moveaxis(lse_qBKGT, 0, -2).reshape(*lse_qBKGT.shape[1:-1], -1)
-  return (out_BTNH, lse_BKGT), (q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT)
+  return (out_BTNH, lse_BKGT), (q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT)
 
 
 def _flash_backward(blocks, saved, cotangents):
-  q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, out_BTNH, lse_BKGT = saved
+  q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT = saved
   d_q_BTNH, d_k_BSKH, d_v_BSKH = _block_gradients(
-      blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S))
-  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype), d_v_BSKH.astype(v_BSKH.dtype), None, None)
+      blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S), segments)
+  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype), d_v_BSKH.astype(v_BSKH.dtype), None, None,
+          None)
 
 
 def flash_gradients(block: int, rows, keys):
@@ -107,7 +126,7 @@ def flash_gradients(block: int, rows, keys):
   return _block_gradients(blocks, rows, keys)
 
 
-def _block_gradients(blocks, rows, keys):
+def _block_gradients(blocks, rows, keys, segments=None):
   """Flash attention's backward: per block, p = exp(s - lse), then dV, dP, dS = p (dP - D) and dQ, dK.
 
   D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p.
@@ -122,16 +141,18 @@ def _block_gradients(blocks, rows, keys):
   rowsum_BKGT = jnp.einsum("btkgh,btkgh->bkgt", grouped(d_out_BTNH).astype(jnp.float32),
                            grouped(out_BTNH).astype(jnp.float32)) - d_lse_BKGT
   stats_BKGT = jnp.stack([lse_BKGT, rowsum_BKGT])  # (2, B, K, G, T): split by query block below
-  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block))
+  q_segments, k_segments = _split_segments(segments, blocks)
+  key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block), k_segments)
 
   def one_query_block(d_kv, query):
-    q_bTNH, d_out_bTNH, q_positions_bT, stats_2BKGb = query
+    q_bTNH, d_out_bTNH, q_positions_bT, stats_2BKGb, q_segments_Bb = query
     q_bTKGH, d_out_bTKGH = grouped(q_bTNH), grouped(d_out_bTNH)
 
     def visit(d_q_bTKGH, key):
-      k_bSKH, v_bSKH, k_positions_bS = key
+      k_bSKH, v_bSKH, k_positions_bS, k_segments_BS = key
       logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
-      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS)
+      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS,
+                            None if q_segments_Bb is None else (q_segments_Bb, k_segments_BS))
       probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
       d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
       d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)
@@ -149,7 +170,8 @@ def _block_gradients(blocks, rows, keys):
   d_kv_init = (k_BSKH.astype(jnp.float32) * 0, v_BSKH.astype(jnp.float32) * 0)
   (d_k_BSKH, d_v_BSKH), d_q_qBTNH = jax.lax.scan(
       one_query_block, d_kv_init,
-      (_split(q_BTNH, q_block), _split(d_out_BTNH, q_block), q_positions_T.reshape(-1, q_block), stats_q2BKGb))
+      (_split(q_BTNH, q_block), _split(d_out_BTNH, q_block), q_positions_T.reshape(-1, q_block), stats_q2BKGb,
+       q_segments))
   return _unsplit(d_q_qBTNH), d_k_BSKH, d_v_BSKH
 
 
@@ -170,18 +192,24 @@ def merge_blocks(a, b):
   return out_BTNH, lse_BKGT
 
 
-def _visible(logits_BKGTS, q_positions_T, k_positions_S):
-  """The causal mask of one block: which keys each query sees, by token position.
+def _visible(logits_BKGTS, q_positions_T, k_positions_S, segments=None):
+  """The causal mask of one block: which keys each query sees, by token position ([T, S]), and with
+  `segments` (query [B, T], key [B, S]) only within its own segment ([B, 1, 1, T, S]).
 
   Computed after the block's logits (an optimization barrier ties the two):
   the mask depends on positions alone, and XLA would otherwise hoist it out of
   the loops over blocks and keep every block pair's mask at once, T x S in all.
   """
-  _, q_positions_T, k_positions_S = jax.lax.optimization_barrier((logits_BKGTS, q_positions_T, k_positions_S))
-  return k_positions_S[None, :] <= q_positions_T[:, None]
+  _, q_positions_T, k_positions_S, segments = jax.lax.optimization_barrier(
+      (logits_BKGTS, q_positions_T, k_positions_S, segments))
+  causal_TS = k_positions_S[None, :] <= q_positions_T[:, None]
+  if segments is None:
+    return causal_TS
+  same_BTS = segments[0][:, :, None] == segments[1][:, None, :]
+  return (causal_TS & same_BTS)[:, None, None]
 
 
-def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
+def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments=None):
   """Normalised attention of one query block over one key block: (out, log-sum-exp of each row's scores).
 
   The log-sum-exp lets blocks over other keys merge in (merge_blocks). A row
@@ -193,7 +221,7 @@ def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S):
   q_BTKGH = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
   logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
   logits_BKGTS = logits_BKGTS * (h ** -0.5)
-  visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S)
+  visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S, segments)
   logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   max_BKGT = logits_BKGTS.max(-1)
   exp_BKGTS = jnp.where(visible_TS, jnp.exp(logits_BKGTS - max_BKGT[..., None]), 0.0)
@@ -216,12 +244,12 @@ class SelfAttention(nnx.Module):
     self.out_bias = zeros((d,), ("embed",))
     self.cfg = cfg
 
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None) -> jax.Array:
     dtype = self.cfg.dtype
     qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype, self.cfg.fp8)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg)
+    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

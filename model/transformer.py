@@ -40,9 +40,9 @@ class MoeUnit(nnx.Module):
   def __init__(self, block_class, cfg: ModelConfig, rngs: nnx.Rngs):
     self.layers = nnx.List([block_class(cfg, rngs, moe=i == cfg.moe_every - 1) for i in range(cfg.moe_every)])
 
-  def __call__(self, x_BTD, positions_T):
+  def __call__(self, x_BTD, positions_T, segments_BT=None):
     for layer in self.layers:
-      x_BTD, stats = layer(x_BTD, positions_T)
+      x_BTD, stats = layer(x_BTD, positions_T, segments_BT)
     return x_BTD, stats  # the last layer's: the MoE one
 
 
@@ -57,19 +57,20 @@ def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
   return make(rngs)
 
 
-def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig):
+def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
   """Run the stacked units in order with nnx.scan, under the configured remat policy.
 
   Returns the output and each unit's router statistics stacked on a leading axis ({} when dense).
   """
 
-  def apply_block(x_BTD, block, positions_T):
-    x_BTD, stats = block(x_BTD, positions_T)
+  def apply_block(x_BTD, block, positions_T, segments_BT):
+    x_BTD, stats = block(x_BTD, positions_T, segments_BT)
     return constrain(x_BTD, ACTIVATION_AXES), stats
 
   if cfg.remat != "none":
     apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
-  return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None), out_axes=(nnx.Carry, 0))(x_BTD, blocks, positions_T)
+  return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0))(
+      x_BTD, blocks, positions_T, segments_BT)
 
 
 def masked_vocab(logits_BTV, cfg: ModelConfig):
@@ -180,6 +181,19 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
   return mean_loss(head, x_BTD, stack, targets_BT)
 
 
+def document_ids(tokens_BT, document_end: int):
+  """Which packed document each token belongs to: a token after `document_end` starts the next one."""
+  ends_BT = (tokens_BT == document_end).astype(jnp.int32)
+  return jnp.cumsum(ends_BT, axis=1) - ends_BT
+
+
+def document_positions(segments_BT):
+  """Each token's position within its document, [B, T]."""
+  index_T = jnp.arange(segments_BT.shape[1])
+  starts_BT = jnp.concatenate([jnp.ones_like(segments_BT[:, :1], bool), segments_BT[:, 1:] != segments_BT[:, :-1]], 1)
+  return index_T - jax.lax.cummax(jnp.where(starts_BT, index_T, 0), axis=1)
+
+
 class LanguageModel(nnx.Module):
   """The stack and the loss every family shares.
 
@@ -187,10 +201,10 @@ class LanguageModel(nnx.Module):
   `logits(x_BTD) -> logits_BTV`, and keeps its stacked blocks in `self.blocks`.
   """
 
-  def run_blocks(self, x_BTD, positions_T=None):
+  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None):
     """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense)."""
     positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else positions_T
-    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg)
+    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT)
     return x_BTD, summarize(stats)
 
   def predict(self, tokens_BT):
@@ -201,9 +215,15 @@ class LanguageModel(nnx.Module):
     return chunked_cross_entropy(self, x_BTD, targets_BT)
 
   def objective(self, tokens_BT, targets_BT, positions_T=None):
-    """(cross-entropy + auxiliary losses, statistics): what training differentiates and logs."""
+    """(cross-entropy + auxiliary losses, statistics): what training differentiates and logs.
+
+    With model.document_end set, the sequences are packed documents: a token
+    attends within its own document, and learned positions count from its start.
+    """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, positions_T), positions_T)
+    segments_BT = document_ids(tokens_BT, self.cfg.document_end) if self.cfg.document_end >= 0 else None
+    embed_positions = positions_T if segments_BT is None else document_positions(segments_BT)
+    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
     loss = self.head_loss(x_BTD, targets_BT)
     return loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
 

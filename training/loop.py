@@ -31,14 +31,16 @@ def train(config, dry_run: bool = False) -> dict:
   if pretrained is not None:
     pretrained.configure(config)  # the checkpoint decides the model's shape
   check_run(config)
-  layout = plan(config)  # refuses a bad mesh or model before anything compiles
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
+  # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
+  text_tokenizer = run_tokenizer(config.init_from, train_split.tokenizer, train_split.origin)
+  if config.data.segments:  # packed documents end at the tokenizer's end-of-text, which the token files hold
+    config.model.document_end = text_tokenizer.end_of_text
+  layout = plan(config)  # refuses a bad mesh or model before anything compiles
   data.check_long_enough(train_split, layout.model.max_len)  # here, not after compiling
   if config.eval_every:
     data.check_long_enough(val_split, layout.model.max_len)
-  # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
-  text_tokenizer = run_tokenizer(config.init_from, train_split.tokenizer, train_split.origin)
   if config.sample_tokens:
     prompt = encode_prompt(text_tokenizer, config.sample_prompt)
     check_request(layout.model.max_len, len(prompt), config.sample_tokens, temperature=SAMPLE_TEMPERATURE,

@@ -34,7 +34,7 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
                      mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
                      attention=m.attention, attention_block=m.attention_block,
-                     loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, compute_dtype=config.precision.compute,
+                     loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, document_end=m.document_end, compute_dtype=config.precision.compute,
                      kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
                      num_experts=config.moe.experts,
                      moe_every=config.moe.every, moe_top_k=config.moe.top_k,
