@@ -30,6 +30,8 @@ class Checkpoints:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                            enable_async_checkpointing=True)
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
+    # A failed save's serialization task, garbage-collected at any later time, even at exit.
+    logging.getLogger("asyncio").addFilter(_QUIET_FAILED_SAVES)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
@@ -135,8 +137,11 @@ class Checkpoints:
       self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.close()
-    logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
+    try:
+      with self._reporting_failed_saves():  # closing waits for the last async save, which may fail
+        self._manager.close()
+    finally:
+      logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
 
 
 class _QuietFailedSaves(logging.Filter):
@@ -147,8 +152,10 @@ class _QuietFailedSaves(logging.Filter):
               "Save Finalize thread")
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname
-                and any(report in record.getMessage() for report in self._REPORTS))
+    orbax_report = "/orbax/" in record.pathname and any(report in record.getMessage() for report in self._REPORTS)
+    # asyncio's "Task exception was never retrieved" for a save's serialization task.
+    lost_save_task = record.name == "asyncio" and "serialize" in record.getMessage()
+    return not (record.levelno >= logging.ERROR and (orbax_report or lost_save_task))
 
 
 _QUIET_FAILED_SAVES = _QuietFailedSaves()
