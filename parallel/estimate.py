@@ -74,8 +74,9 @@ class Dims:
 
   @property
   def blockwise(self) -> bool:
-    """Whether attention runs in blocks (model/attention.py): no query's whole row of scores is kept."""
-    return max(self.length, self.keys) > self.attention_block
+    """Whether attention keeps no scores for its backward pass, only its output and log-sum-exp: longer
+    than one block (model/attention.py), or the ring, whose backward pass is its own (parallel/context.py)."""
+    return self.context == "ring" or max(self.length, self.keys) > self.attention_block
 
   @property
   def tokens(self) -> int:
