@@ -76,6 +76,11 @@ def _split_segments(segments, blocks):
   return (None, None) if segments is None else tuple(_split(x, size) for x, size in zip(segments, blocks))
 
 
+def _segment_pair(q_segments, k_segments):
+  """One block pair's (query, key) segments, or None without packing."""
+  return None if q_segments is None else (q_segments, k_segments)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
   return _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
@@ -85,18 +90,18 @@ def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S,
   q_block, k_block = blocks
   q_segments, k_segments = _split_segments(segments, blocks)
   key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block), k_segments)
-  pair = lambda q_segments, k_segments: None if q_segments is None else (q_segments, k_segments)
 
   def one_query_block(query):
     q_bTNH, q_positions_bT, q_segments_Bb = query
 
     def visit(merged, key):
-      block = attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2], pair(q_segments_Bb, key[3]))
+      block = attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2], _segment_pair(q_segments_Bb, key[3]))
       return merge_blocks(merged, block), None
 
     # The first key block starts the running result (a zero start would lose shard_map's varying axes).
     first_key, other_keys = jax.tree.map(lambda x: x[0], key_blocks), jax.tree.map(lambda x: x[1:], key_blocks)
-    first = attention_block(q_bTNH, *first_key[:2], q_positions_bT, first_key[2], pair(q_segments_Bb, first_key[3]))
+    first = attention_block(q_bTNH, *first_key[:2], q_positions_bT, first_key[2],
+                            _segment_pair(q_segments_Bb, first_key[3]))
     merged, _ = jax.lax.scan(visit, (first[0].astype(jnp.float32), first[1]), other_keys)
     return merged
 
@@ -151,8 +156,7 @@ def _block_gradients(blocks, rows, keys, segments=None):
     def visit(d_q_bTKGH, key):
       k_bSKH, v_bSKH, k_positions_bS, k_segments_BS = key
       logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
-      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS,
-                            None if q_segments_Bb is None else (q_segments_Bb, k_segments_BS))
+      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS, _segment_pair(q_segments_Bb, k_segments_BS))
       probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
       d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
       d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)

@@ -122,7 +122,7 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
   That second pair is picked by a dynamic slice, not a branch, so every device runs the same
   two quarter-blocks and skips the two that are fully masked.
   """
-  half, take = _halves(q_BTNH, from_later)
+  half, _, take = _halves(q_BTNH, from_later)
   always = blockwise_attention(q_BTNH[:, half:], k_BTKH[:, :half], v_BTKH[:, :half], q_positions_T[half:],
                                k_positions_T[:half], block)
   picked = blockwise_attention(take(q_BTNH), take(k_BTKH), take(v_BTKH), take(q_positions_T, 0),
@@ -137,15 +137,17 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
 
 
 def _visit_gradients(rows, kv_block, block, from_later):
-  """`_visit`'s two quarter-blocks differentiated: float32 (dQ, dK, dV) of this device's rows and the visitor's block."""
-  half, take = _halves(rows[0], from_later)
-  row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)  # sequence axes: q, positions, out, lse, dOut, dLse; k, v, positions
-  part = lambda xs, axes, start: [jax.lax.slice_in_dim(x, start, start + half, axis=a % x.ndim) for x, a in zip(xs, axes)]
+  """`_visit`'s two quarter-blocks differentiated: float32 (dQ, dK, dV) of this device's rows and the
+  visitor's block."""
+  half, start, take = _halves(rows[0], from_later)
+  # The sequence axes of q, positions, out, lse, dOut, dLse; and of k, v, positions.
+  row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)
+  part = lambda xs, axes, begin: [jax.lax.slice_in_dim(x, begin, begin + half, axis=a % x.ndim)
+                                  for x, a in zip(xs, axes)]
   # Local half 2 against the visitor's half 1, always; the picked pair by the same dynamic slice as forward.
   always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0))
   picked = flash_gradients(block, [take(x, a) for x, a in zip(rows, row_axes)],
                            [take(x, a) for x, a in zip(kv_block, kv_axes)])
-  start = from_later.astype(jnp.int32) * half
   add_picked = lambda whole, add: jax.lax.dynamic_update_slice_in_dim(
       whole, jax.lax.dynamic_slice_in_dim(whole, start, half, 1) + add, start, 1)
   zeros = lambda x: x.astype(jnp.float32) * 0  # from the inputs, so it keeps their varying axes
@@ -156,10 +158,10 @@ def _visit_gradients(rows, kv_block, block, from_later):
 
 
 def _halves(q_BTNH, from_later):
-  """Half the local length, and a slice of the half `from_later` picks (the second half if true)."""
+  """Half the local length, where the half `from_later` picks starts (the second if true), and its slice."""
   half = q_BTNH.shape[1] // 2
   start = from_later.astype(jnp.int32) * half
-  return half, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
+  return half, start, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
 
 
 def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
