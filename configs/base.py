@@ -45,6 +45,14 @@ def base() -> ml_collections.ConfigDict:
   c.distributed.coordinator = ""  # host:port of process 0; empty lets jax detect it
   c.distributed.num_processes = 0  # 0: detect
   c.distributed.process_id = -1  # -1: detect
+  # Seconds without a heartbeat before a process counts as dead; under fault_tolerance=survive
+  # also how long a collective waits for a peer before it is abandoned.
+  c.distributed.heartbeat_seconds = 100
+
+  # none: a lost process ends the run, and a restart resumes from the last checkpoint |
+  # survive: the other processes drop it, rebuild the mesh over the live devices and redo the step
+  # from the state in memory (layouts where every shard has a copy on another process; README)
+  c.fault_tolerance = "none"
 
   c.model = ml_collections.ConfigDict()
   c.model.family = "gpt2"  # gpt2 | llama

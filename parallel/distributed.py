@@ -21,11 +21,19 @@ def wants_distributed(dist_config) -> bool:
   return any(os.environ.get(name) for name in _CLUSTER_VARIABLES if name != "SLURM_NTASKS")
 
 
-def initialize(dist_config) -> None:
-  """Join the other processes; explicit flags win, otherwise jax detects TPU pods and SLURM."""
+def initialize(dist_config, survive: bool = False) -> None:
+  """Join the other processes; explicit flags win, otherwise jax detects TPU pods and SLURM.
+
+  `survive` turns off fate sharing (a lost process no longer ends the others) and lets a
+  collective waiting on a dead peer fail instead of hanging, so a step can be redone without it.
+  Process 0 hosts the coordination service: the run survives any process but that one.
+  """
   if not wants_distributed(dist_config):
     return
-  explicit = {}
+  explicit = {"heartbeat_timeout_seconds": dist_config.heartbeat_seconds}
+  if survive:
+    _abandon_collectives_after(dist_config.heartbeat_seconds)
+    jax.config.update("jax_enable_recoverability", True)
   if dist_config.coordinator:
     explicit["coordinator_address"] = dist_config.coordinator
   if dist_config.num_processes > 0:
@@ -33,3 +41,18 @@ def initialize(dist_config) -> None:
   if dist_config.process_id >= 0:
     explicit["process_id"] = dist_config.process_id
   jax.distributed.initialize(**explicit)
+
+
+def _abandon_collectives_after(seconds: int) -> None:
+  """XLA settings, read when the backend starts, under which a collective with a dead peer fails.
+
+  CPU (gloo) waits `seconds` and raises; GPU (NCCL) is aborted on the failure, as JAX's fault
+  tolerance guide sets it up. Without them the survivors of a lost process wait on it forever.
+  """
+  flags = [f"--xla_cpu_collective_timeout_seconds={seconds}", "--xla_gpu_nccl_terminate_on_error=false",
+           "--xla_gpu_nccl_async_execution=true", "--xla_gpu_nccl_blocking_communicators=false"]
+  present = os.environ.get("XLA_FLAGS", "").split()
+  names = {flag.split("=")[0] for flag in present}
+  os.environ["XLA_FLAGS"] = " ".join(present + [f for f in flags if f.split("=")[0] not in names])
+  os.environ.setdefault("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "1")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "1")  # the GPU client that can abort

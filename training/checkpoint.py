@@ -27,15 +27,31 @@ class Checkpoints:
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     self._state_bytes = 0  # of the last state saved: what a failed save needed
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
-                                           enable_async_checkpointing=True)
+    self._keep = keep
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     # A failed save's serialization task, garbage-collected at any later time, even at exit.
     logging.getLogger("asyncio").addFilter(_QUIET_FAILED_SAVES)
-    self._manager = ocp.CheckpointManager(
+    self._manager = self._open(processes=None)
+
+  def _open(self, processes: set[int] | None) -> ocp.CheckpointManager:
+    """A manager whose saves line up `processes` (all by default) at orbax's barriers."""
+    multiprocessing = ocp.options.MultiprocessingOptions(
+        primary_host=0, active_processes=processes,
+        barrier_sync_key_prefix=None if processes is None else "live-" + "-".join(map(str, sorted(processes))))
+    options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=False, enable_async_checkpointing=True,
+                                           multiprocessing_options=multiprocessing)
+    return ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                        "fingerprints": ocp.JsonCheckpointHandler()})
+
+  def narrow_to(self, processes: set[int]) -> None:
+    """Save with `processes` only, after the others were lost (fault_tolerance=survive).
+
+    The old manager is dropped unclosed: closing waits at barriers that the lost processes
+    would never reach. Its saves had finished: a failed step is redone before any save.
+    """
+    self._manager = self._open(processes)
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())

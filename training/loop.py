@@ -1,6 +1,7 @@
 """The training loop: plan the layout, resume or initialise, step, log, evaluate, checkpoint, sample."""
 
 import contextlib
+import os
 import time
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from parallel import analysis, distributed
+from parallel.redundancy import survival_problem
 from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs, report
@@ -17,6 +19,7 @@ from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step, make_train_step
+from training.survive import Survivor, leave_together
 from training.tokenizer import run_tokenizer
 from training.validate import check_run
 from training.workdir_lock import WorkdirLock
@@ -26,7 +29,7 @@ SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 
 def train(config, dry_run: bool = False) -> dict:
   """Train per `config`; returns the last logged metrics (and the final eval loss, if any)."""
-  distributed.initialize(config.distributed)
+  distributed.initialize(config.distributed, survive=config.fault_tolerance == "survive")
   pretrained = hf_checkpoint.open_init_from(config.init_from)
   if pretrained is not None:
     pretrained.configure(config)  # the checkpoint decides the model's shape
@@ -65,10 +68,13 @@ def train(config, dry_run: bool = False) -> dict:
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      return _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop,
+      last = _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop,
                   text_tokenizer)
   finally:
     checkpoints.close()
+  if config.fault_tolerance == "survive" and jax.process_count() > 1:
+    leave_together(jax.devices())
+  return last
 
 
 def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
@@ -109,9 +115,14 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
 
 def _run(config, layout, state, start, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
   seq_len = layout.model.max_len
-  # Compiled ahead so the first interval's tokens/s leaves compilation out and
-  # the program's own memory figure can be logged beside the losses.
-  train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+  survivor = None
+  if config.fault_tolerance == "survive":
+    survivor = _survivor(config, layout, train_split)
+    train_step = survivor.compiled
+  else:
+    # Compiled ahead so the first interval's tokens/s leaves compilation out and
+    # the program's own memory figure can be logged beside the losses.
+    train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
   if stop.signal_name and jax.process_count() == 1:  # several processes agree at the first log step
     _log(f"stopped by {stop.signal_name} before step {start + 1}; nothing new to save.")
     return {}
@@ -133,22 +144,27 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
 
   last, interval_start, interval_from = {}, time.perf_counter(), start
   skipped_before = int(jax.device_get(state["skipped"]))  # a resumed run's count so far
-  in_flight = StepsInFlight()
   tokens_per_step = config.batch_size * seq_len
-  batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
-                         batch_size=config.batch_size, seq_len=seq_len,
-                         sharding=layout.batch_sharding, depth=config.data.prefetch)
   profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
+  if survivor:
+    batches, steps = contextlib.nullcontext(), survivor.steps(state, start)
+  else:
+    batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
+                           batch_size=config.batch_size, seq_len=seq_len,
+                           sharding=layout.batch_sharding, depth=config.data.prefetch)
+    steps = _steps(train_step, state, batches, profiler)
   with batches, writer, profiler, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
-    for step, batch in batches:
-      done = step + 1
-      profiler.before(done)
-      with profiler.annotate(done):
-        state, pending = train_step(state, batch)  # metrics stay on device until a log step
-      in_flight.add(pending["loss"])
-      profiler.after(done, state)
+    for done, state, pending, failure in steps:
       bar.update(1)
+      if failure:
+        layout, eval_step = survivor.layout, make_eval_step(survivor.layout)
+        checkpoints.narrow_to({device.process_index for device in layout.mesh.devices.flat})
+        writer.write(done, {"steps_lost": failure.steps_lost, "recovery_seconds": failure.recovery_seconds,
+                            "live_devices": failure.live_devices})
+        _log(f"step {done:6d}  lost process {', '.join(map(str, failure.lost_processes))}: redid the step on "
+             f"{failure.live_devices} devices, mesh {dict(layout.mesh.shape)}, grad_accum "
+             f"{failure.grad_accum}, {failure.recovery_seconds:.1f} s from the failure, no step lost")
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(pending)
         tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)
@@ -174,7 +190,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
       checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
-      if stop.requested(done, config.log_every):
+      if stop.requested(done, config.log_every, layout.mesh.devices.flat):
         checkpoints.save_now(done, state, config)
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
@@ -183,6 +199,32 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   if config.sample_tokens:
     _log("sample: " + _sample(layout, state["params"], config, text_tokenizer))
   return last
+
+
+def _steps(train_step, state, batches, profiler):
+  """Yields (step done, state, metrics, None) for each batch; metrics stay on device."""
+  in_flight = StepsInFlight()
+  for step, batch in batches:
+    done = step + 1
+    profiler.before(done)
+    with profiler.annotate(done):
+      state, pending = train_step(state, batch)
+    in_flight.add(pending["loss"])
+    profiler.after(done, state)
+    yield done, state, pending, None
+
+
+def _survivor(config, layout, train_split) -> Survivor:
+  """The survive-mode stepper, after saying in one line if this layout cannot be survived."""
+  problem = survival_problem(layout)
+  if problem:
+    _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
+         "run, and the same command resumes it from the last checkpoint.")
+  # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
+  compile_step = lambda lay, cfg: make_train_step(lay, cfg, donate=False).lower(*abstract_inputs(lay, cfg)).compile()
+  return Survivor(config, layout, train_split, compile_step)
 
 
 def _sample(layout, params, config, tokenizer) -> str:

@@ -5,6 +5,7 @@ import signal
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -29,7 +30,7 @@ class StopRequests:
     del frame
     self.signal_name = signal.Signals(signum).name
 
-  def requested(self, step: int, every: int) -> bool:
+  def requested(self, step: int, every: int, devices=None) -> bool:
     """Whether to stop after `step`.
 
     One process decides alone. Several must stop at the same step or the
@@ -40,7 +41,17 @@ class StopRequests:
       return self.signal_name is not None
     if step % every:
       return False
-    votes = multihost_utils.process_allgather(np.int32(self.signal_name is not None))
+    votes = _allgather(np.int32(self.signal_name is not None), devices)
     if votes.any() and self.signal_name is None:
       self.signal_name = "a signal to another process"
     return bool(votes.any())
+
+
+def _allgather(flag: np.int32, devices) -> np.ndarray:
+  """`flag` from every process with a device in `devices` (all processes when None)."""
+  if devices is None:
+    return multihost_utils.process_allgather(flag)
+  devices = list(devices)  # after a lost process (fault_tolerance=survive), only the live ones
+  sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), P("devices"))
+  spread = jax.make_array_from_callback((len(devices),), sharding, lambda index: np.full((1,), flag))
+  return np.asarray(jax.jit(lambda x: x, out_shardings=NamedSharding(sharding.mesh, P()))(spread))

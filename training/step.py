@@ -98,8 +98,9 @@ def all_finite(tree) -> jax.Array:
   return jnp.logical_and.reduce(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
-def make_train_step(layout: Layout, config):
-  """The jitted step with explicit shardings for every leaf; the incoming state is donated."""
+def make_train_step(layout: Layout, config, donate: bool = True):
+  """The jitted step with explicit shardings for every leaf; the incoming state is donated unless a
+  failed step must be redone from it (fault_tolerance=survive)."""
   schedule = learning_rate(config)
   grad_accum, growth_interval = config.grad_accum, config.precision.loss_scale_growth
 
@@ -136,7 +137,7 @@ def make_train_step(layout: Layout, config):
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
   return jax.jit(train_step, in_shardings=(layout.state_shardings, batch_shardings),
-                 out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0)
+                 out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0 if donate else ())
 
 
 def make_eval_step(layout: Layout):

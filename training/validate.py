@@ -13,6 +13,7 @@ from pathlib import Path
 from parallel.schedules import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
+FAULT_TOLERANCE = ("none", "survive")
 
 
 def _at_least(config, field: str, low: int, why: str = "") -> None:
@@ -56,6 +57,9 @@ def check_run(config) -> None:
   _finite_non_negative(config, "optimizer.lr", "the peak learning rate")
   _finite_non_negative(config, "optimizer.clip_norm", "0 turns clipping off")
   _finite_non_negative(config, "optimizer.weight_decay", "0 turns decay off")
+  if config.fault_tolerance not in FAULT_TOLERANCE:
+    raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
+  _at_least(config, "distributed.heartbeat_seconds", 1)
   if config.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use {' or '.join(NONFINITE_POLICIES)}.")
   # Checked whatever mesh.pipeline is: a typo should not wait for the day pipelining is turned on.

@@ -1,0 +1,139 @@
+"""Checkpointless training: when a process dies, the live ones redo the step without it (fault_tolerance=survive).
+
+Each step runs inside `jax.live_devices` (JAX's fault-tolerant multi-controller mode): the block
+either succeeds on every live process or raises on every one. When a process is lost, the others
+shrink `data` to the devices left, rebuild each state leaf from the shards they already hold (data
+parallelism keeps a full copy per replica: nothing is read from disk or sent between processes),
+and redo the failed step at the same global batch: batch `s` is a pure function of (seed, s), so
+the lost replica's rows are simply spread over the survivors, with more gradient accumulation
+where a device would otherwise hold more rows than before.
+"""
+
+import dataclasses
+import math
+import time
+
+import jax
+from jax._src import distributed as jax_distributed
+from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+
+from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
+from parallel.redundancy import shard_key
+from training import data
+from training.state import Layout, plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  """One lost process (or several lost together), as the run survived it."""
+  step: int  # the step that failed and was redone
+  lost_processes: tuple[int, ...]
+  live_devices: int
+  grad_accum: int  # after the shrink
+  recovery_seconds: float  # from the failed step's start to the redone step's end
+  steps_lost: int = 0  # the redone step is the one that failed: no finished step is lost
+
+
+def shrunk_config(config, mesh_shape: dict, live_count: int):
+  """`config` for `live_count` devices: fewer data-parallel replicas, the same global batch.
+
+  Returns (config, None), or (None, why not) in one sentence.
+  """
+  others = math.prod(size for axis, size in mesh_shape.items() if axis != DATA)
+  if live_count % others:
+    return None, (f"{live_count} live devices do not divide into the other mesh axes "
+                  f"({others} devices per data-parallel replica)")
+  replicas = live_count // others
+  shards = replicas * mesh_shape[EXPERT]  # the batch splits over data and expert
+  pipeline_micro = config.pipeline.microbatches if mesh_shape[PIPELINE] > 1 else 1
+  before = config.batch_size // (config.grad_accum * pipeline_micro * mesh_shape[DATA] * mesh_shape[EXPERT])
+  # The fewest micro-batches (a multiple of today's) that keep each device's rows within what it held.
+  for grad_accum in range(config.grad_accum, config.batch_size + 1, config.grad_accum):
+    rows, left = divmod(config.batch_size, grad_accum * pipeline_micro * shards)
+    if not left and rows <= before:
+      smaller = config.copy_and_resolve_references()
+      for axis in AXES:
+        smaller.mesh[axis] = replicas if axis == DATA else mesh_shape[axis]
+      smaller.grad_accum = grad_accum
+      return smaller, None
+  return None, (f"batch_size={config.batch_size} does not split evenly over {replicas} data-parallel "
+                f"replicas with at most {before} rows per device")
+
+
+def move_state(state, layout: Layout):
+  """`state` laid out on `layout`'s mesh, built from the shards this process already holds."""
+
+  def move(leaf, sharding):
+    held = {shard_key(shard.index, leaf.shape): shard.data for shard in leaf.addressable_shards}
+    wanted = sharding.addressable_devices_indices_map(leaf.shape)
+    pieces = [jax.device_put(held[shard_key(index, leaf.shape)], device) for device, index in wanted.items()]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+
+  return jax.tree.map(move, state, layout.state_shardings)
+
+
+class Survivor:
+  """Train steps that outlive lost processes; `steps()` yields each finished one."""
+
+  def __init__(self, config, layout: Layout, split, compile_step):
+    self.config, self.layout, self._split, self._compile_step = config, layout, split, compile_step
+    self._all_devices = list(layout.mesh.devices.flat)
+    self.compiled = compile_step(layout, config)
+
+  def steps(self, state, start: int):
+    """Yields (step done, state, metrics, failure or None) up to config.steps."""
+    config, step, failed = self.config, start, None  # failed: (step start time, processes before)
+    while step < config.steps:
+      began = time.perf_counter()
+      try:
+        with live_devices(self._all_devices) as live:
+          if len(live) != self.layout.mesh.size:
+            # Relaid out in a block of its own: its closing barrier lines the processes up again
+            # before the next step's collectives, whatever each spent compiling.
+            grown = self._relayout(live, step)
+            moved = move_state(state, grown[0])
+            new_state = None
+          else:
+            batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
+                                      seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding)
+            new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
+      except ProcessFailureError:
+        failed = failed or (began, self._processes())
+        continue
+      if new_state is None:
+        self.layout, self.config, self.compiled = grown
+        state = moved
+        continue
+      state, step = new_state, step + 1
+      failure = None
+      if failed:
+        lost = tuple(sorted(failed[1] - self._processes()))
+        failure = Failure(step=step, lost_processes=lost, live_devices=self.layout.mesh.size,
+                          grad_accum=self.config.grad_accum, recovery_seconds=time.perf_counter() - failed[0])
+        failed = None
+      yield step, state, metrics, failure
+
+  def _processes(self) -> set[int]:
+    return {device.process_index for device in self.layout.mesh.devices.flat}
+
+  def _relayout(self, live, step: int):
+    smaller, why = shrunk_config(self.config, dict(self.layout.mesh.shape), len(live))
+    if smaller is None:
+      raise ValueError(f"a process was lost before step {step + 1} and the run cannot go on without it: "
+                       f"{why}; run the same command again to resume from the last checkpoint.")
+    layout = plan(smaller, devices=live)
+    return layout, smaller, self._compile_step(layout, smaller)
+
+
+def leave_together(devices) -> None:
+  """Ends the run on every live process with process 0 last: it hosts the coordination service,
+  and a process still connected when it goes is aborted at exit."""
+  with live_devices(list(devices)):
+    pass  # every live process has finished its run
+  client = jax_distributed.global_state.client  # as JAX's fault tolerance guide reaches it
+  if jax.process_index() != 0:
+    jax.distributed.shutdown()
+    return
+  # A barrier over the processes the service still counts as live: the others leave it by disconnecting.
+  while len(client.get_live_nodes(sorted({device.process_index for device in devices}))) > 1:
+    time.sleep(0.1)
