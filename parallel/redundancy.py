@@ -18,13 +18,15 @@ def lone_shard(shardings, abstract, process_of=lambda device: device.process_ind
 
   `process_of` maps a device to the process that hosts it (tests pretend several processes).
   """
-  named = jax.tree_util.tree_leaves_with_path(abstract)
-  for (path, leaf), sharding in zip(named, jax.tree.leaves(shardings)):
+  named = [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
+           for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)]
+  leaves = sorted(zip(named, jax.tree.leaves(shardings)), key=lambda item: not item[0][0].startswith("params"))
+  for (name, leaf), sharding in leaves:  # the parameters first: the leaf a user recognises
     holders: dict[tuple, set[int]] = {}
     for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
       holders.setdefault(shard_key(index, leaf.shape), set()).add(process_of(device))
     if any(len(processes) < 2 for processes in holders.values()):
-      return jax.tree_util.keystr(path, simple=True, separator="/")
+      return name
   return None
 
 

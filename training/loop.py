@@ -147,15 +147,15 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   tokens_per_step = config.batch_size * seq_len
   profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
   if survivor:
-    batches, steps = contextlib.nullcontext(), survivor.steps(state, start)
+    batches, steps = contextlib.nullcontext(), survivor.steps(state, start, stop)
   else:
     batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
                            batch_size=config.batch_size, seq_len=seq_len,
                            sharding=layout.batch_sharding, depth=config.data.prefetch)
-    steps = _steps(train_step, state, batches, profiler)
+    steps = _steps(train_step, state, batches, profiler, stop, config.log_every)
   with batches, writer, profiler, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
-    for done, state, pending, failure in steps:
+    for done, state, pending, failure, stopping in steps:
       bar.update(1)
       if failure:
         layout, eval_step = survivor.layout, make_eval_step(survivor.layout)
@@ -190,7 +190,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
       checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
-      if stop.requested(done, config.log_every, layout.mesh.devices.flat):
+      if stopping:
         checkpoints.save_now(done, state, config)
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
@@ -201,8 +201,8 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   return last
 
 
-def _steps(train_step, state, batches, profiler):
-  """Yields (step done, state, metrics, None) for each batch; metrics stay on device."""
+def _steps(train_step, state, batches, profiler, stop, log_every: int):
+  """Yields (step done, state, metrics, None, whether to stop) for each batch; metrics stay on device."""
   in_flight = StepsInFlight()
   for step, batch in batches:
     done = step + 1
@@ -211,7 +211,9 @@ def _steps(train_step, state, batches, profiler):
       state, pending = train_step(state, batch)
     in_flight.add(pending["loss"])
     profiler.after(done, state)
-    yield done, state, pending, None
+    if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
+      jax.block_until_ready(pending)
+    yield done, state, pending, None, stop.requested(done, log_every)
 
 
 def _survivor(config, layout, train_split) -> Survivor:

@@ -18,7 +18,7 @@ from jax._src import distributed as jax_distributed
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
-from parallel.redundancy import shard_key
+from parallel.redundancy import shard_key, survival_problem
 from training import data
 from training.state import Layout, plan
 
@@ -80,8 +80,12 @@ class Survivor:
     self._all_devices = list(layout.mesh.devices.flat)
     self.compiled = compile_step(layout, config)
 
-  def steps(self, state, start: int):
-    """Yields (step done, state, metrics, failure or None) up to config.steps."""
+  def steps(self, state, start: int, stop):
+    """Yields (step done, state, metrics, failure or None, whether to stop) up to config.steps.
+
+    The processes vote on a stop request inside the same block as the step: a process lost
+    during the vote fails the block, like one lost during the step.
+    """
     config, step, failed = self.config, start, None  # failed: (step start time, processes before)
     while step < config.steps:
       began = time.perf_counter()
@@ -97,6 +101,7 @@ class Survivor:
             batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
                                       seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding)
             new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
+            stopping = stop.requested(step + 1, config.log_every, live)
       except ProcessFailureError:
         failed = failed or (began, self._processes())
         continue
@@ -111,13 +116,14 @@ class Survivor:
         failure = Failure(step=step, lost_processes=lost, live_devices=self.layout.mesh.size,
                           grad_accum=self.config.grad_accum, recovery_seconds=time.perf_counter() - failed[0])
         failed = None
-      yield step, state, metrics, failure
+      yield step, state, metrics, failure, stopping
 
   def _processes(self) -> set[int]:
     return {device.process_index for device in self.layout.mesh.devices.flat}
 
   def _relayout(self, live, step: int):
     smaller, why = shrunk_config(self.config, dict(self.layout.mesh.shape), len(live))
+    why = survival_problem(self.layout) or why  # a lost shard first: no mesh brings it back
     if smaller is None:
       raise ValueError(f"a process was lost before step {step + 1} and the run cannot go on without it: "
                        f"{why}; run the same command again to resume from the last checkpoint.")

@@ -1,0 +1,138 @@
+"""Start a multi-process run on this machine, and optionally kill a process to watch the run survive it.
+
+  python tools/launch.py --processes 4 -- train.py --config.mesh.data=8 --config.log_every=1
+  python tools/launch.py --processes 4 --kill 2@step=30 -- train.py --config.fault_tolerance=survive ...
+  python tools/launch.py --processes 4 --kill 2@step=30 --restart-after 10 -- train.py ...  # the classic path
+
+Each process gets `--devices` simulated CPU devices and joins the others over loopback through
+jax.distributed (the same flags SLURM, a TPU pod or Kubernetes would give it). Process 0 prints to
+this console; the others write <workdir>/launch/process<i>.log. `--kill P@step=S` SIGKILLs process P
+once <workdir>/metrics.jsonl shows step S (so log every step). Under fault_tolerance=survive the
+others carry on without it. Otherwise the whole job dies with it, and `--restart-after` starts it
+again that many seconds later, resuming from the last checkpoint. At the end a table gives, for
+each kill, the steps lost and the seconds from the kill until the run finished a step past the
+last one it had finished before it: the side-by-side figures of README's checkpointless section.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--processes", type=int, default=2)
+  parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process")
+  parser.add_argument("--kill", action="append", default=[], metavar="P@step=S",
+                      help="SIGKILL process P once step S is logged; may repeat")
+  parser.add_argument("--restart-after", type=seconds, default=None, metavar="SECONDS",
+                      help="restart the whole job this long after it died (the checkpoint-restart path)")
+  parser.add_argument("command", nargs=argparse.REMAINDER, help="-- train.py and its flags")
+  args = parser.parse_args(argv)
+  args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not args.command:
+    parser.error("give the command to run after --, e.g. -- train.py --config.log_every=1")
+  if args.processes < 2:
+    parser.error(f"--processes={args.processes}: a multi-process run needs at least 2")
+  args.kill = [parse_kill(text, args.processes, parser) for text in args.kill]
+  return args
+
+
+def seconds(text: str) -> float:
+  """'10', '10s' or '2.5s' as seconds."""
+  try:
+    return float(text.removesuffix("s"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 10 or 10s") from None
+
+
+def parse_kill(text: str, processes: int, parser) -> tuple[int, int]:
+  match = re.fullmatch(r"(\d+)@step=(\d+)", text)
+  if not match:
+    parser.error(f"--kill {text!r} is not P@step=S, e.g. --kill 2@step=30")
+  process, step = int(match[1]), int(match[2])
+  if not 0 < process < processes:
+    parser.error(f"--kill {text!r}: process {process} cannot be killed; pick 1..{processes - 1} "
+                 "(process 0 hosts the coordination service, and the run dies with it)")
+  return process, step
+
+
+def workdir_of(command: list[str]) -> Path:
+  given = [arg.split("=", 1)[1] for arg in command if arg.startswith("--config.workdir=")]
+  return (ROOT / (given[-1] if given else "runs/default")).resolve()
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def start(args, logs: Path) -> list[subprocess.Popen]:
+  port = free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}")
+  processes = []
+  for i in range(args.processes):
+    flags = [f"--config.distributed.coordinator=localhost:{port}",
+             f"--config.distributed.num_processes={args.processes}", f"--config.distributed.process_id={i}"]
+    output = None if i == 0 else open(logs / f"process{i}.log", "w")
+    processes.append(subprocess.Popen([sys.executable, *args.command, *flags], cwd=ROOT, env=env,
+                                      stdout=output, stderr=subprocess.STDOUT if output else None))
+  return processes
+
+
+def logged_steps(workdir: Path) -> list[int]:
+  """Steps with a loss in metrics.jsonl, in file order (a restart first drops the records it will redo)."""
+  try:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  except FileNotFoundError:
+    return []
+  records = [json.loads(line) for line in lines if line.endswith("}")]
+  return [r["step"] for r in records if "loss" in r]
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  workdir = workdir_of(args.command)
+  logs = workdir / "launch"
+  logs.mkdir(parents=True, exist_ok=True)
+  processes, kills, results, restarts = start(args, logs), sorted(args.kill, key=lambda k: k[1]), [], 0
+  watching = None  # [kill time, last step finished before it, lowest step logged since] until passed
+  while True:
+    done = max(logged_steps(workdir), default=0)
+    if kills and done >= kills[0][1]:
+      victim, _ = kills.pop(0)
+      processes[victim].send_signal(signal.SIGKILL)
+      watching = [time.perf_counter(), done, done]
+      print(f"launch: killed process {victim} after step {done}", flush=True)
+    if watching:
+      watching[2] = min(watching[2], done)  # a restart drops the records past its checkpoint first
+      if done > watching[1]:
+        results.append((watching[1], watching[1] - watching[2], time.perf_counter() - watching[0]))
+        watching = None
+    codes = [p.poll() for p in processes]
+    if codes[0] is not None and all(c is not None for c in codes):
+      if codes[0] == 0 or args.restart_after is None or restarts > len(args.kill):
+        break
+      print(f"launch: the job ended (exit codes {codes}); restarting in {args.restart_after:g} s", flush=True)
+      time.sleep(args.restart_after)
+      processes, restarts = start(args, logs), restarts + 1
+    time.sleep(0.05)
+  for killed_after, lost, seconds in results:
+    print(f"launch: killed after step {killed_after}: {lost} steps lost, {seconds:.1f} s until step "
+          f"{killed_after + 1} was done", flush=True)
+  return processes[0].returncode
+
+
+if __name__ == "__main__":
+  sys.exit(main())
