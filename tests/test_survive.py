@@ -1,5 +1,5 @@
 """fault_tolerance=survive: which layouts outlive a lost process, how the mesh shrinks, and a real
-run on 4 processes that loses one mid-run and still matches an uninterrupted run."""
+run on 4 processes that loses two mid-run and still matches an uninterrupted run."""
 
 import json
 import os
@@ -103,16 +103,17 @@ def final_params(workdir, config):
 
 
 @pytest.mark.timeout(600)
-def test_four_processes_lose_one_and_train_on_as_if_nothing_happened(tmp_path):
-  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=3", fault_tolerance="survive")
+def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
+  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=3", "--kill=3@step=5",
+                  fault_tolerance="survive")
   config = tiny_config(**{**RUN, "workdir": str(tmp_path / "whole")})
   train(config)
   survived, whole = records(tmp_path / "survived"), records(tmp_path / "whole")
-  failure = [r for r in survived if "recovery_seconds" in r]
-  assert len(failure) == 1 and failure[0]["steps_lost"] == 0 and failure[0]["live_devices"] == 6
-  assert "0 steps lost" in output and "resuming" not in output  # no checkpoint was read
+  failures = [r for r in survived if "recovery_seconds" in r]
+  assert [(r["steps_lost"], r["live_devices"]) for r in failures] == [(0, 6), (0, 4)]
+  assert output.count(": 0 steps lost") == 2 and "resuming" not in output  # no checkpoint was read
   losses = [r["loss"] for r in survived if "loss" in r]
-  # Float32 noise from the reduction order: 6 devices and 2 micro-batches after the loss, 8 before.
+  # Float32 noise from the reduction order: 8 devices, then 6 with 2 micro-batches, then 4 with 6.
   np.testing.assert_allclose(losses, [r["loss"] for r in whole], rtol=1e-5)
   for a, b in zip(jax.tree.leaves(final_params(tmp_path / "survived", config)),
                   jax.tree.leaves(final_params(tmp_path / "whole", config))):
