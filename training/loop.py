@@ -161,10 +161,12 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
         layout, eval_step = survivor.layout, make_eval_step(survivor.layout)
         checkpoints.narrow_to({device.process_index for device in layout.mesh.devices.flat})
         writer.write(done, {"steps_lost": failure.steps_lost, "recovery_seconds": failure.recovery_seconds,
+                            "detect_seconds": failure.detect_seconds, "relayout_seconds": failure.relayout_seconds,
                             "live_devices": failure.live_devices})
         _log(f"step {done:6d}  lost process {', '.join(map(str, failure.lost_processes))}: redid the step on "
-             f"{failure.live_devices} devices, mesh {dict(layout.mesh.shape)}, grad_accum "
-             f"{failure.grad_accum}, {failure.recovery_seconds:.1f} s from the failure, no step lost")
+             f"{failure.live_devices} devices, mesh {dict(layout.mesh.shape)}, grad_accum {failure.grad_accum}, "
+             f"{failure.recovery_seconds:.1f} s from the failure ({failure.detect_seconds:.1f} s to detect it, "
+             f"{failure.relayout_seconds:.1f} s to relay out), no step lost")
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(pending)
         tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)

@@ -30,7 +30,9 @@ class Failure:
   lost_processes: tuple[int, ...]
   live_devices: int
   grad_accum: int  # after the shrink
-  recovery_seconds: float  # from the failed step's start to the redone step's end
+  recovery_seconds: float  # from the failed step's start to the redone step's end, of which
+  detect_seconds: float  # until every live process knew (heartbeat and collective timeouts)
+  relayout_seconds: float  # the smaller mesh: moving the state and compiling the step
   steps_lost: int = 0  # the redone step is the one that failed: no finished step is lost
 
 
@@ -86,7 +88,7 @@ class Survivor:
     The processes vote on a stop request inside the same block as the step: a process lost
     during the vote fails the block, like one lost during the step.
     """
-    config, step, failed = self.config, start, None  # failed: (step start time, processes before)
+    config, step, failed = self.config, start, None  # failed: what Failure needs, while one is handled
     while step < config.steps:
       began = time.perf_counter()
       try:
@@ -94,8 +96,8 @@ class Survivor:
           if len(live) != self.layout.mesh.size:
             # Relaid out in a block of its own: its closing barrier lines the processes up again
             # before the next step's collectives, whatever each spent compiling.
-            grown = self._relayout(live, step)
-            moved = move_state(state, grown[0])
+            relaid = self._relayout(live, step)
+            moved = move_state(state, relaid[0])
             new_state = None
           else:
             batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
@@ -103,18 +105,21 @@ class Survivor:
             new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
             stopping = stop.requested(step + 1, config.log_every, live)
       except ProcessFailureError:
-        failed = failed or (began, self._processes())
+        failed = failed or {"began": began, "known": time.perf_counter(), "processes": self._processes(),
+                            "relayout": 0.0}
         continue
       if new_state is None:
-        self.layout, self.config, self.compiled = grown
+        self.layout, self.config, self.compiled = relaid
         state = moved
+        failed["relayout"] += time.perf_counter() - began
         continue
       state, step = new_state, step + 1
       failure = None
       if failed:
-        lost = tuple(sorted(failed[1] - self._processes()))
-        failure = Failure(step=step, lost_processes=lost, live_devices=self.layout.mesh.size,
-                          grad_accum=self.config.grad_accum, recovery_seconds=time.perf_counter() - failed[0])
+        failure = Failure(step=step, lost_processes=tuple(sorted(failed["processes"] - self._processes())),
+                          live_devices=self.layout.mesh.size, grad_accum=self.config.grad_accum,
+                          recovery_seconds=time.perf_counter() - failed["began"],
+                          detect_seconds=failed["known"] - failed["began"], relayout_seconds=failed["relayout"])
         failed = None
       yield step, state, metrics, failure, stopping
 
