@@ -19,7 +19,8 @@ from training.loop import train
 from training.state import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = {"data=8": {"mesh.data": 8}, "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
+# data=8 over 4 processes runs in tests/test_survive.py, which also loses two of them.
+LAYOUTS = {"data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
 RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
 
 

@@ -3,7 +3,6 @@ run on 4 processes that loses two mid-run and still matches an uninterrupted run
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import init_state, plan
-from training.survive import move_state, shrunk_config
+from training.survive import Survivor, move_state, shrunk_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
@@ -58,6 +57,18 @@ def test_the_mesh_shrinks_over_data_and_keeps_the_global_batch(before, live, aft
   assert smaller.mesh.tensor == config.mesh.tensor
 
 
+def test_a_lost_process_that_took_state_with_it_ends_the_run_in_a_sentence():
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "batch_size": 24})
+  layout = plan(config)
+  survivor = Survivor(config, layout, split=None, compile_step=lambda layout, config: None)
+  with pytest.raises(ValueError) as refusal:
+    survivor._relayout(jax.devices()[:6], step=4)
+  # Here one process stands in for four: the sentence names why the state cannot be rebuilt.
+  assert str(refusal.value) == (
+      "a process was lost before step 5 and the run cannot go on without it: the run has one process, so "
+      "there is no other process to carry on; run the same command again to resume from the last checkpoint.")
+
+
 def test_a_batch_the_survivors_cannot_split_is_refused_in_a_sentence():
   config = tiny_config(**{"mesh.data": 8, "batch_size": 16})
   smaller, why = shrunk_config(config, dict(plan(config).mesh.shape), 6)
@@ -76,17 +87,17 @@ def test_the_state_moves_onto_the_live_devices_unchanged():
     np.testing.assert_array_equal(a, b)
 
 
-RUN = {"steps": 8, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4,
+RUN = {"steps": 6, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 3,
        "batch_size": 24, "mesh.data": 8}
 
 
 def launch(workdir, *launch_flags, **overrides):
   flags = [f"--config.{k}={v}" for k, v in {**RUN, **overrides}.items()]
   flags += ["--config.model.embed_dim=64", "--config.model.mlp_dim=256", "--config.model.max_len=32",
-            "--config.schedule.warmup_steps=2", "--config.distributed.heartbeat_seconds=10",
+            "--config.schedule.warmup_steps=2", "--config.distributed.heartbeat_seconds=5",
             f"--config.workdir={workdir}"]
   result = subprocess.run([sys.executable, "tools/launch.py", *launch_flags, "--", "train.py", *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+                          cwd=ROOT, capture_output=True, text=True, timeout=250)
   assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
   return result.stdout + result.stderr
 
@@ -96,15 +107,14 @@ def records(workdir):
 
 
 def final_params(workdir, config):
-  checkpoints = Checkpoints(str(workdir), every=4, keep=3)
+  checkpoints = Checkpoints(str(workdir), every=3, keep=3)
   state = checkpoints.restore(config.steps, abstract_inputs(plan(config), config)[0])
   checkpoints.close()
   return jax.device_get(state["params"])
 
 
-@pytest.mark.timeout(600)
 def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
-  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=3", "--kill=3@step=5",
+  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=2", "--kill=3@step=4",
                   fault_tolerance="survive")
   config = tiny_config(**{**RUN, "workdir": str(tmp_path / "whole")})
   train(config)
@@ -118,16 +128,3 @@ def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
   for a, b in zip(jax.tree.leaves(final_params(tmp_path / "survived", config)),
                   jax.tree.leaves(final_params(tmp_path / "whole", config))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.timeout(600)
-def test_zero3_over_all_processes_falls_back_to_the_last_checkpoint(tmp_path):
-  output = launch(tmp_path / "restarted", "--processes=2", "--devices=4", "--kill=1@step=5", "--restart-after=0",
-                  fault_tolerance="survive", **{"sharding.zero": 3, "batch_size": 16})
-  assert "cannot protect this layout: params/" in output
-  killed_after, lost = map(int, re.search(r"killed after step (\d+): (\d+) steps lost", output).groups())
-  assert "resuming from step 4" in output and lost == killed_after - 4  # redone since the checkpoint
-  config = tiny_config(**{**RUN, "sharding.zero": 3, "batch_size": 16, "workdir": str(tmp_path / "whole")})
-  train(config)
-  np.testing.assert_allclose([r["loss"] for r in records(tmp_path / "restarted")],
-                             [r["loss"] for r in records(tmp_path / "whole")], rtol=1e-5)

@@ -54,5 +54,9 @@ def _allgather(flag: np.int32, devices) -> np.ndarray:
   devices = list(devices)  # after a lost process (fault_tolerance=survive), only the live ones
   sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), P("devices"))
   spread = jax.make_array_from_callback((len(devices),), sharding, lambda index: np.full((1,), flag))
-  gathered = jax.jit(lambda x: x, out_shardings=NamedSharding(sharding.mesh, P()))(spread)
+  gathered = jax.jit(_identity, out_shardings=NamedSharding(sharding.mesh, P()))(spread)
   return np.asarray(gathered.addressable_shards[0].data)
+
+
+def _identity(x):
+  return x  # one function, so each mesh's all-gather compiles once

@@ -129,10 +129,15 @@ class Survivor:
   def _relayout(self, live, step: int):
     smaller, why = shrunk_config(self.config, dict(self.layout.mesh.shape), len(live))
     why = survival_problem(self.layout) or why  # a lost shard first: no mesh brings it back
-    if smaller is None:
+    layout = None
+    if why is None:
+      try:
+        layout = plan(smaller, devices=live)
+      except ValueError as refusal:  # the model does not divide over the smaller mesh
+        why = str(refusal).rstrip(".")
+    if layout is None:
       raise ValueError(f"a process was lost before step {step + 1} and the run cannot go on without it: "
                        f"{why}; run the same command again to resume from the last checkpoint.")
-    layout = plan(smaller, devices=live)
     return layout, smaller, self._compile_step(layout, smaller)
 
 
