@@ -19,7 +19,7 @@ from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step, make_train_step
-from training.survive import Survivor, leave_together
+from training.survive import Finished, Survivor, leave_together
 from training.tokenizer import run_tokenizer
 from training.validate import check_run
 from training.workdir_lock import WorkdirLock
@@ -115,9 +115,16 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
 
 def _run(config, layout, state, start, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
   seq_len = layout.model.max_len
-  survivor = None
-  if config.fault_tolerance == "survive":
-    survivor = _survivor(config, layout, train_split)
+
+  def evaluate(eval_step, layout, params) -> float:
+    losses = [eval_step(params, data.global_batch(val_split, seed=config.seed, step=i,
+                                                  batch_size=config.batch_size, seq_len=seq_len,
+                                                  sharding=layout.batch_sharding))
+              for i in range(config.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+  survivor = _survivor(config, layout, train_split, evaluate) if config.fault_tolerance == "survive" else None
+  if survivor:
     train_step = survivor.compiled
   else:
     # Compiled ahead so the first interval's tokens/s leaves compilation out and
@@ -135,13 +142,6 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
-  def evaluate(params) -> float:
-    losses = [eval_step(params, data.global_batch(val_split, seed=config.seed, step=i,
-                                                  batch_size=config.batch_size, seq_len=seq_len,
-                                                  sharding=layout.batch_sharding))
-              for i in range(config.eval_batches)]
-    return float(np.mean(jax.device_get(losses)))
-
   last, interval_start, interval_from = {}, time.perf_counter(), start
   skipped_before = int(jax.device_get(state["skipped"]))  # a resumed run's count so far
   tokens_per_step = config.batch_size * seq_len
@@ -155,10 +155,11 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
     steps = _steps(train_step, state, batches, profiler, stop, config.log_every)
   with batches, writer, profiler, tqdm(
       initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
-    for done, state, pending, failure, stopping in steps:
+    for finished in steps:
+      done, state, pending, failure = finished.step, finished.state, finished.metrics, finished.failure
       bar.update(1)
       if failure:
-        layout, eval_step = survivor.layout, make_eval_step(survivor.layout)
+        layout = survivor.layout
         checkpoints.narrow_to({device.process_index for device in layout.mesh.devices.flat})
         writer.write(done, {"steps_lost": failure.steps_lost, "recovery_seconds": failure.recovery_seconds,
                             "detect_seconds": failure.detect_seconds, "relayout_seconds": failure.relayout_seconds,
@@ -186,13 +187,14 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
           raise ValueError(f"step {done}: {newly_skipped} of the last {interval} updates had a non-finite "
                            f"loss, gradient or update and were not applied; the last good state is "
                            f"saved as step {done}. {advice}")
-      if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
-        last["eval_loss"] = evaluate(state["params"])
+      if _eval_due(config, done):
+        last["eval_loss"] = (finished.eval_loss if finished.eval_loss is not None else
+                             evaluate(eval_step, layout, state["params"]))
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
       checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
-      if stopping:
+      if finished.stop:
         checkpoints.save_now(done, state, config)
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
@@ -203,8 +205,12 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
   return last
 
 
+def _eval_due(config, done: int) -> bool:
+  return bool(config.eval_every) and (done % config.eval_every == 0 or done == config.steps)
+
+
 def _steps(train_step, state, batches, profiler, stop, log_every: int):
-  """Yields (step done, state, metrics, None, whether to stop) for each batch; metrics stay on device."""
+  """Yields a Finished step for each batch; its metrics stay on device."""
   in_flight = StepsInFlight()
   for step, batch in batches:
     done = step + 1
@@ -215,20 +221,20 @@ def _steps(train_step, state, batches, profiler, stop, log_every: int):
     profiler.after(done, state)
     if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
       jax.block_until_ready(pending)
-    yield done, state, pending, None, stop.requested(done, log_every)
+    yield Finished(done, state, pending, stop=stop.requested(done, log_every))
 
 
-def _survivor(config, layout, train_split) -> Survivor:
-  """The survive-mode stepper, after saying in one line if this layout cannot be survived."""
+def _survivor(config, layout, train_split, evaluate) -> Survivor | None:
+  """The survive-mode stepper; None, said in one line, where this layout cannot survive a lost process."""
   problem = survival_problem(layout)
   if problem:
     _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
          "run, and the same command resumes it from the last checkpoint.")
+    return None
   # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
-  compile_step = lambda lay, cfg: make_train_step(lay, cfg, donate=False).lower(*abstract_inputs(lay, cfg)).compile()
-  return Survivor(config, layout, train_split, compile_step)
+  return Survivor(config, layout, train_split, evaluate=evaluate, eval_due=lambda done: _eval_due(config, done))
 
 
 def _sample(layout, params, config, tokenizer) -> str:

@@ -21,6 +21,8 @@ from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from parallel.redundancy import shard_key, survival_problem
 from training import data
 from training.state import Layout, plan
+from training.dry_run import abstract_inputs
+from training.step import make_eval_step, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,17 @@ class Failure:
   detect_seconds: float  # until every live process knew (heartbeat and collective timeouts)
   relayout_seconds: float  # the smaller mesh: moving the state and compiling the step
   steps_lost: int = 0  # the redone step is the one that failed: no finished step is lost
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """A step done, as the training loop receives it."""
+  step: int  # 1-based, as logged
+  state: dict
+  metrics: dict  # on device
+  failure: Failure | None = None  # the lost processes this step was redone without
+  stop: bool = False  # the processes agreed to stop here (a signal)
+  eval_loss: float | None = None  # computed with the step where it must survive a lost process too
 
 
 def shrunk_config(config, mesh_shape: dict, live_count: int):
@@ -77,16 +90,19 @@ def move_state(state, layout: Layout):
 class Survivor:
   """Train steps that outlive lost processes; `steps()` yields each finished one."""
 
-  def __init__(self, config, layout: Layout, split, compile_step):
-    self.config, self.layout, self._split, self._compile_step = config, layout, split, compile_step
+  def __init__(self, config, layout: Layout, split, evaluate=None, eval_due=lambda done: False,
+               compile_steps=None):
+    self.config, self.layout, self._split = config, layout, split
+    self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
+    self._compile_steps = compile_steps or compiled_steps
     self._all_devices = list(layout.mesh.devices.flat)
-    self.compiled = compile_step(layout, config)
+    self.compiled, self._eval_step = self._compile_steps(layout, config)
 
   def steps(self, state, start: int, stop):
-    """Yields (step done, state, metrics, failure or None, whether to stop) up to config.steps.
+    """Yields each Finished step up to config.steps.
 
-    The processes vote on a stop request inside the same block as the step: a process lost
-    during the vote fails the block, like one lost during the step.
+    The processes vote on a stop request, and evaluate when it is due, inside the same block as
+    the step: a process lost during either fails the block, like one lost during the step.
     """
     config, step, failed = self.config, start, None  # failed: what Failure needs, while one is handled
     while step < config.steps:
@@ -104,12 +120,14 @@ class Survivor:
                                       seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding)
             new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
             stopping = stop.requested(step + 1, config.log_every, live)
+            eval_loss = (self._evaluate(self._eval_step, self.layout, new_state["params"])
+                         if self._eval_due(step + 1) else None)
       except ProcessFailureError:
         failed = failed or {"began": began, "known": time.perf_counter(), "processes": self._processes(),
                             "relayout": 0.0}
         continue
       if new_state is None:
-        self.layout, self.config, self.compiled = relaid
+        self.layout, self.config, (self.compiled, self._eval_step) = relaid
         state = moved
         failed["relayout"] += time.perf_counter() - began
         continue
@@ -121,7 +139,7 @@ class Survivor:
                           recovery_seconds=time.perf_counter() - failed["began"],
                           detect_seconds=failed["known"] - failed["began"], relayout_seconds=failed["relayout"])
         failed = None
-      yield step, state, metrics, failure, stopping
+      yield Finished(step, state, metrics, failure, stopping, eval_loss)
 
   def _processes(self) -> set[int]:
     return {device.process_index for device in self.layout.mesh.devices.flat}
@@ -138,7 +156,16 @@ class Survivor:
     if layout is None:
       raise ValueError(f"a process was lost before step {step + 1} and the run cannot go on without it: "
                        f"{why}; run the same command again to resume from the last checkpoint.")
-    return layout, smaller, self._compile_step(layout, smaller)
+    return layout, smaller, self._compile_steps(layout, smaller)
+
+
+def compiled_steps(layout: Layout, config):
+  """The train step (keeping its input: a failed step is redone from it) and the eval step, both
+  compiled now: a process compiling inside a step's block would keep the others waiting in its
+  collectives, and a wait as long as the heartbeat reads as a lost process."""
+  state, batch = abstract_inputs(layout, config)
+  return (make_train_step(layout, config, donate=False).lower(state, batch).compile(),
+          make_eval_step(layout).lower(state["params"], batch).compile())
 
 
 def leave_together(devices) -> None:
