@@ -20,8 +20,8 @@ from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from parallel.redundancy import shard_key, survival_problem
 from training import data
-from training.state import Layout, plan
 from training.dry_run import abstract_inputs
+from training.state import Layout, plan
 from training.step import make_eval_step, make_train_step
 
 
@@ -164,8 +164,8 @@ def compiled_steps(layout: Layout, config):
   compiled now: a process compiling inside a step's block would keep the others waiting in its
   collectives, and a wait as long as the heartbeat reads as a lost process."""
   state, batch = abstract_inputs(layout, config)
-  return (make_train_step(layout, config, donate=False).lower(state, batch).compile(),
-          make_eval_step(layout).lower(state["params"], batch).compile())
+  train_step = make_train_step(layout, config, donate=False).lower(state, batch).compile()
+  return train_step, make_eval_step(layout).lower(state["params"], batch).compile() if config.eval_every else None
 
 
 def leave_together(devices) -> None:
