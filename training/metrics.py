@@ -82,8 +82,14 @@ class MetricsWriter:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc_info):
-    self.close()
+  def __exit__(self, exc_type, *exc_info):
+    try:
+      self.close()
+    except OSError:
+      # A full disk that failed the run's checkpoint fails this last flush too; the run's own
+      # error, already on its way out, is the one that says what happened.
+      if exc_type is None:
+        raise
 
 
 def _drop_records_after(path: str, step: int) -> None:
