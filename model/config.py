@@ -4,7 +4,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_attention", "offload")  # model/transformer.py
+REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
@@ -19,7 +19,7 @@ class ModelConfig:
   mlp_dim: int
   max_len: int
   vocab_size: int
-  remat: str = "none"  # none | full | save_dots | save_attention | offload
+  remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
   attention: str = "xla"  # xla | cudnn
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device

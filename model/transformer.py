@@ -10,6 +10,7 @@ Positions are explicit so a context strategy may reorder the sequence.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
@@ -18,15 +19,24 @@ from model.sharding_hooks import constrain
 
 ACTIVATION_AXES = ("batch", "length", "embed")
 STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
+BLOCK_INPUT = "block_input"  # the name full_offload moves to host memory
+
+
+def _offloaded(*names):
+  """A policy that keeps nothing on the device: `names` wait in host memory until the backward pass."""
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
+
 
 CHECKPOINT_POLICIES = {  # model.remat: what the backward pass keeps rather than recomputes
     "full": None,  # nothing: the whole block is recomputed
+    # as full, and each block's input (what full still keeps per layer) parked in host memory:
+    # the device holds one layer's activations whatever the depth (MaxText's offloaded decoder inputs)
+    "full_offload": _offloaded(BLOCK_INPUT),
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight matmuls' outputs
     "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),  # attention's output
-    # attention's output, moved to host memory until the backward pass needs it
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[ATTENTION_OUT],
-        offload_src="device", offload_dst="pinned_host"),
+    "offload": _offloaded(ATTENTION_OUT),  # attention's output, in host memory until the backward pass
 }
 
 
@@ -64,7 +74,9 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
   """
 
   def apply_block(x_BTD, block, positions_T, segments_BT):
-    x_BTD, stats = block(x_BTD, positions_T, segments_BT)
+    # Named so that every use inside the block reads the named value: under full_offload the
+    # host copy is then the block's only residual, and the device copy dies with the forward pass.
+    x_BTD, stats = block(checkpoint_name(x_BTD, BLOCK_INPUT), positions_T, segments_BT)
     return constrain(x_BTD, ACTIVATION_AXES), stats
 
   if cfg.remat != "none":

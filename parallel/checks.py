@@ -111,6 +111,7 @@ def check_backend(model: ModelConfig, device) -> None:
       raise ValueError(
           f"precision.compute=float8 needs fp8 tensor cores (compute capability 8.9 or newer), but "
           f"{device.device_kind} has {capability}; use bfloat16.")
-  if model.remat == "offload" and "pinned_host" not in {m.kind for m in device.addressable_memories()}:
-    raise ValueError(f"model.remat=offload needs pinned host memory, which {device.device_kind} does not "
+  if model.remat in ("offload", "full_offload") and "pinned_host" not in {
+      m.kind for m in device.addressable_memories()}:
+    raise ValueError(f"model.remat={model.remat} needs pinned host memory, which {device.device_kind} does not "
                      "expose; use save_attention or full.")

@@ -179,6 +179,8 @@ def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
     return _layer_saved_bytes(config, d, weights)
   if policy == "full":
     return d.activation_bytes(d.embed)  # the block input only
+  if policy == "full_offload":
+    return 0  # the block input waits in host memory (host_memory); the device holds one layer's at a time
   if policy == "save_dots":
     # The block input and the weight matmuls' outputs: QKV, attention projection, MLP in (and gate) and out.
     mlp_in = (1 if config.model.family == "gpt2" else 2) * d.mlp
@@ -189,6 +191,22 @@ def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   if policy == "offload":
     return d.activation_bytes(d.embed)  # attention's output waits in host memory, not on the device
   raise ValueError(f"model.remat={policy!r} has no memory estimate.")
+
+
+def host_memory(config, mesh: dict) -> int:
+  """Per-device bytes the remat policy parks in pinned host memory: each layer's offloaded values,
+  for every micro-batch whose residuals are held at once (as `activations` counts them on the device)."""
+  d, policy = dims(config, mesh), config.model.remat
+  per_layer = {"full_offload": d.activation_bytes(d.embed),
+               "offload": d.tokens * d.heads * d.head_dim * d.compute_bytes}.get(policy, 0)
+  layers, stages = config.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
+  if stages == 1:
+    return layers * per_layer
+  micro = config.pipeline.microbatches
+  if config.pipeline.schedule == "1f1b":
+    return schedules.stash_slots(stages=stages, micro=micro) * layers * per_layer
+  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
+  return schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro) * (layers // virtual) * per_layer
 
 
 def activations(config, d: Dims, weights: list[Weight]) -> int:
@@ -326,7 +344,7 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
   # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond).
   forward = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   backward = forward
-  return forward * (2 if config.model.remat == "full" else 1), backward
+  return forward * (2 if config.model.remat in ("full", "full_offload") else 1), backward
 
 
 def _tensor_parallel(config, mesh, traffic):
@@ -474,7 +492,7 @@ def _recomputed(config, parts: dict[str, int]) -> int:
 
   jax recomputes only what the backward pass reads: never the block's last matmul (the MLP's output
   projection, or MoE's combine), whose output is only added to the residual. full: the rest of the
-  block. save_dots (weight matmuls saved): the batched dots, attention's QK^T and PV and MoE's
+  block (full_offload too). save_dots (weight matmuls saved): the batched dots, attention's QK^T and PV and MoE's
   dispatch and experts. save_attention and offload (attention's output kept): the rest but PV.
   """
   policy, last = config.model.remat, parts.get("combine", parts["mlp_out"])
@@ -483,7 +501,7 @@ def _recomputed(config, parts: dict[str, int]) -> int:
   chunked = parts["mlp_in"] if config.model.mlp_chunk and policy in ("none", "save_dots") else 0
   if policy == "none":
     return chunked
-  if policy == "full":
+  if policy in ("full", "full_offload"):
     return everything - last
   if policy == "save_dots":
     return parts["scores"] + parts["values"] + parts.get("dispatch", 0) + parts.get("experts", 0) + chunked

@@ -113,6 +113,21 @@ def test_textbook_gpt2_1558m_on_one_device():
     assert 5.8e9 < value < 6.5e9, memory
 
 
+def test_full_offload_moves_every_block_input_to_host_memory():
+  # GPT-2 124M, batch 8 x 1,024 tokens on one device, bf16: full remat keeps 12 block inputs of
+  # 8 x 1024 x 768 x 2 bytes on the device; full_offload keeps them in host memory instead.
+  config = get_config("124m")
+  config.batch_size, config.precision.compute = 8, "bfloat16"
+  mesh = {a: 1 for a in ("data", "pipeline", "expert", "sequence", "tensor")}
+  weights, block_input = model_weights(config), 8 * 1024 * 768 * 2
+  config.model.remat = "full"
+  full = estimate.memory(config, mesh, weights)["activations"]
+  assert estimate.host_memory(config, mesh) == 0
+  config.model.remat = "full_offload"
+  assert full - estimate.memory(config, mesh, weights)["activations"] == 12 * block_input
+  assert estimate.host_memory(config, mesh) == 12 * block_input
+
+
 @pytest.mark.parametrize("name", MEMORY_LAYOUTS)
 def test_memory_estimate_matches_compiled(name, compiled):
   config, mesh, weights, (program, _), _ = compiled[name]

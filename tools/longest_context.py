@@ -31,17 +31,20 @@ from training.dry_run import model_weights  # pylint: disable=wrong-import-posit
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Model and run config.")
 _MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")
 _DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on the `sequence` axis.")
-_REMAT = flags.DEFINE_list("remat", ["full"], "model.remat policies.")
+_REMAT = flags.DEFINE_list("remat", ["full", "full_offload"], "model.remat policies.")
 _MLP_CHUNK = flags.DEFINE_list("mlp_chunk", ["0", "4096"], "model.mlp_chunk values (tokens per device; 0: off).")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between README's <!-- longest-context --> markers.")
 README = Path(__file__).resolve().parent.parent / "README.md"
 STEP = 1024  # lengths searched in multiples of this (times the device count)
 
 
+def sequence_mesh(devices: int) -> dict:
+  return {"data": 1, "pipeline": 1, "expert": 1, "sequence": devices, "tensor": 1}
+
+
 def fits(config, length: int, devices: int, memory_bytes: int, weights) -> bool:
   config.model.max_len = length
-  mesh = {"data": 1, "pipeline": 1, "expert": 1, "sequence": devices, "tensor": 1}
-  return sum(estimate.memory(config, mesh, weights).values()) <= memory_bytes
+  return sum(estimate.memory(config, sequence_mesh(devices), weights).values()) <= memory_bytes
 
 
 def longest(config, devices: int, memory_bytes: int, weights) -> int:
@@ -61,6 +64,14 @@ def usable(config, strategy: str, devices: int) -> bool:
   return strategy != "ulysses" or (config.model.kv_heads or config.model.num_heads) % devices == 0
 
 
+def cell(config, devices: int, memory_bytes: int, weights) -> str:
+  """The longest length, and the host memory per device an offloading remat policy needs at it."""
+  length = longest(config, devices, memory_bytes, weights)
+  config.model.max_len = length
+  host = estimate.host_memory(config, sequence_mesh(devices))
+  return f"{length:,}" + (f" ({host / 1e9:.0f} GB host)" if host else "")
+
+
 def table(config) -> str:
   config.batch_size, config.grad_accum = 1, 1
   weights = model_weights(config)  # the parameters do not depend on the length (rotary positions)
@@ -76,7 +87,7 @@ def table(config) -> str:
       for remat in _REMAT.value:
         for mlp_chunk in map(int, _MLP_CHUNK.value):
           config.attention.context, config.model.remat, config.model.mlp_chunk = strategy, remat, mlp_chunk
-          cells = [f"{longest(config, d, int(memory_gb * 1e9), weights):,}" if usable(config, strategy, d)
+          cells = [cell(config, d, int(memory_gb * 1e9), weights) if usable(config, strategy, d)
                    else "n/a" for d in devices]
           lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | {mlp_chunk or 'off'} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
