@@ -13,6 +13,23 @@ from model.sharding_hooks import attention_strategy, constrain
 
 
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
+CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention runs in half precision only
+CUDNN_MAX_HEAD = 128
+
+
+def kernel(cfg: ModelConfig, backend: str) -> str:
+  """The kernel model.attention runs on `backend` (jax.default_backend()) for an unsharded, unpacked sequence.
+
+  auto takes cuDNN's fused flash attention on a GPU where it applies (half
+  precision, head width a multiple of 8 up to 128), and the blockwise xla
+  kernel everywhere else: CPUs, TPUs (splash attention is not built) and
+  float32 or float8 runs.
+  """
+  if cfg.attention != "auto":
+    return cfg.attention
+  head = cfg.embed_dim // cfg.num_heads
+  applies = backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD
+  return "cudnn" if applies else "xla"
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None) -> jax.Array:
@@ -29,7 +46,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
                                       (segments_BT, segments_BT))
   elif strategy is not None:
     out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
-  elif cfg.attention == "cudnn":
+  elif kernel(cfg, jax.default_backend()) == "cudnn":
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   else:

@@ -23,10 +23,10 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
-  if model.document_end >= 0 and (shape[SEQUENCE] > 1 or shape[PIPELINE] > 1 or model.attention != "xla"):
+  if model.document_end >= 0 and (shape[SEQUENCE] > 1 or shape[PIPELINE] > 1 or model.attention == "cudnn"):
     raise ValueError(
         f"packed documents (data.segments, model.document_end={model.document_end}) are masked by "
-        f"model.attention=xla on an unsharded sequence without a pipeline, but this run has "
+        f"model.attention=xla or auto on an unsharded sequence without a pipeline, but this run has "
         f"mesh.sequence={shape[SEQUENCE]}, mesh.pipeline={shape[PIPELINE]}, model.attention={model.attention}; "
         "use data, tensor and expert parallelism with packing, or turn data.segments off.")
   if model.num_experts:
@@ -89,10 +89,10 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
 def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -> None:
   if context not in STRATEGIES:
     raise ValueError(f"attention.context={context!r} is unknown; use one of {', '.join(STRATEGIES)}.")
-  if model.attention != "xla":
+  if model.attention == "cudnn":
     raise ValueError(
         f"model.attention={model.attention!r} masks by index and cannot attend over a sharded "
-        "sequence; use model.attention=xla with mesh.sequence > 1.")
+        "sequence; use model.attention=auto or xla with mesh.sequence > 1.")
   if context == "ring":
     _divides("model.max_len", model.max_len, "2 x mesh.sequence (zig-zag ring chunks)", 2 * shards)
   if context == "ulysses":

@@ -7,13 +7,29 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from model.attention import attention_block, blockwise_attention
+from model.attention import attention_block, blockwise_attention, kernel
 from model.transformer import chunk_count, chunked_cross_entropy
 from parallel.context import zigzag_order
 from test_equivalence import assert_tree_close, loss_and_gradients
 from training.state import build_model, model_config
 
 LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192}
+
+
+@pytest.mark.parametrize("overrides, backend, expected", [
+    ({"precision.compute": "bfloat16"}, "gpu", "cudnn"),
+    ({"precision.compute": "float16"}, "gpu", "cudnn"),
+    ({"precision.compute": "float32"}, "gpu", "xla"),  # cuDNN's fused attention is half precision only
+    ({"precision.compute": "float8"}, "gpu", "xla"),
+    ({"precision.compute": "bfloat16"}, "cpu", "xla"),
+    ({"precision.compute": "bfloat16"}, "tpu", "xla"),  # splash attention is not built
+    ({"precision.compute": "bfloat16", "model.embed_dim": 1024, "model.num_heads": 4}, "gpu", "xla"),  # head 256
+    ({"precision.compute": "bfloat16", "model.embed_dim": 60, "model.num_heads": 5}, "gpu", "xla"),  # head 12
+    ({"precision.compute": "float32", "model.attention": "cudnn"}, "cpu", "cudnn"),  # asked for: as asked
+    ({"precision.compute": "bfloat16", "model.attention": "xla"}, "gpu", "xla"),
+])
+def test_auto_attention_takes_cudnn_only_where_it_applies(overrides, backend, expected):
+  assert kernel(model_config(tiny_config(**overrides)), backend) == expected
 
 
 def qkv(t, s, heads=4, kv_heads=2, head_dim=8, seed=0):
