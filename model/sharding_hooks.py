@@ -17,18 +17,38 @@ from typing import Callable
 import jax
 
 Resolver = Callable[[jax.Array, tuple], jax.Array]
+Counter = Callable[[str], int]
 _resolver: contextvars.ContextVar[Resolver | None] = contextvars.ContextVar("resolver", default=None)
+_counter: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("counter", default=None)
+_placed: contextvars.ContextVar[frozenset] = contextvars.ContextVar("placed", default=frozenset())
 
 
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   """Ask the installed resolver to shard `x` by its logical axis names."""
   resolve = _resolver.get()
-  return x if resolve is None else resolve(x, logical_axes)
+  if resolve is None:
+    return x
+  placed = _placed.get()
+  return resolve(x, tuple(None if name in placed else name for name in logical_axes))
 
 
-def activation_resolver(resolve: Resolver):
-  """While tracing under this, `constrain` calls `resolve(x, logical_axes)`."""
-  return _installed(_resolver, resolve)
+def placed_outside(*logical_axes: str):
+  """While tracing under this, `constrain` leaves these logical axes unsharded: for the body of a vmap
+  whose mapped axis already carries them (the mapped axis itself is left to the partitioner)."""
+  return _installed(_placed, _placed.get() | set(logical_axes))
+
+
+def shard_count(logical_axis: str) -> int:
+  """Into how many shards the installed resolver splits `logical_axis` here (1 with none installed)."""
+  count = _counter.get()
+  return 1 if count is None else count(logical_axis)
+
+
+@contextlib.contextmanager
+def activation_resolver(resolve: Resolver, count: Counter):
+  """While tracing under this, `constrain` calls `resolve(x, logical_axes)` and `shard_count` calls `count`."""
+  with _installed(_resolver, resolve), _installed(_counter, count):
+    yield
 
 
 Strategy = Callable[..., jax.Array]

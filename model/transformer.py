@@ -7,6 +7,8 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
 from model.moe import AUX_LOSS, MoE, summarize
-from model.sharding_hooks import constrain
+from model.sharding_hooks import constrain, placed_outside, shard_count
 
 ACTIVATION_AXES = ("batch", "length", "embed")
 STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
@@ -104,9 +106,8 @@ def token_losses(logits_BTV, targets_BT):
 def chunk_positions(tokens: int, rows_per_device: int, sequence_shards: int) -> int:
   """Positions per chunk that give each device about `tokens` tokens per chunk (model.loss_chunk, mlp_chunk).
 
-  Sized per device because under data parallelism each loss chunk's head gradient
-  is summed over the batch's devices on its own (the scan's running sum is
-  replicated): where the batch is spread thin, few chunks and few reductions.
+  Sized per device because memory is per device: a chunk's float32 logits are
+  its tokens on each device times the local vocabulary.
   """
   return max(1, tokens * sequence_shards // max(1, rows_per_device))
 
@@ -170,7 +171,32 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
     return losses.sum() / (b * t)
 
   def forward(head, x_BTD, stack, targets_BT):
-    chunk_grads = lambda chunk: jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, *chunk)
+    # Each device keeps its own running sum of the head's gradient, summed over the devices once at
+    # the end: a replicated running sum would be all-reduced over the batch's and the sequence's
+    # devices chunk by chunk. So each chunk runs as [batch shards, length shards, rows, positions]
+    # (`by_shard`), the head's gradient taken per shard (vmap) and kept with both leading axes.
+    # One chunk has no running sum and keeps the plain layout.
+    split = {name: shards for name, shards, size in (("batch", shard_count("batch"), b),
+                                                     ("length", shard_count("length"), t // chunks))
+             if chunks > 1 and shards > 1 and size % shards == 0}
+    rows, positions = split.get("batch", 1), split.get("length", 1)
+    per_shard = jax.vmap(jax.vmap(jax.value_and_grad(loss_sum, argnums=(0, 2)), in_axes=(None, None, 0, 0)),
+                         in_axes=(None, None, 0, 0))
+
+    def by_shard(x_BtX, axes):
+      x_BtX = constrain(x_BtX, ("batch", "length", *axes))  # as the shards lie, so the split is local
+      x_RbPtX = x_BtX.reshape(rows, b // rows, positions, x_BtX.shape[1] // positions, *x_BtX.shape[2:])
+      leading = tuple(name if name in split else None for name in ("batch", "length"))
+      return constrain(jnp.swapaxes(x_RbPtX, 1, 2), (*leading, None, None, *axes))
+
+    def chunk_grads(chunk):
+      x_BtD, targets_Bt = chunk
+      if not split:
+        loss, (d_head, d_x_BtD) = jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, x_BtD, targets_Bt)
+        return loss[None, None], (jax.tree.map(lambda d: d[None, None], d_head), d_x_BtD)
+      with placed_outside(*split):
+        loss_RP, (d_head, d_x_RPbtD) = per_shard(head, stack, by_shard(x_BtD, ("embed",)), by_shard(targets_Bt, ()))
+      return loss_RP, (d_head, jnp.swapaxes(d_x_RPbtD, 1, 2).reshape(x_BtD.shape))
 
     def one_chunk(carry, chunk):
       loss, (d_head, d_x_BtD) = chunk_grads(chunk)
@@ -181,7 +207,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
     loss, (d_head, d_x_BtD) = chunk_grads(jax.tree.map(lambda x: x[0], chunks_cB))
     (total, d_head), d_x_cBtD = jax.lax.scan(one_chunk, (loss, d_head), jax.tree.map(lambda x: x[1:], chunks_cB))
     d_x_cBtD = jnp.concatenate([d_x_BtD[None], d_x_cBtD])
-    return total / (b * t), (d_head, unchunk(d_x_cBtD))
+    return total.sum() / (b * t), (jax.tree.map(lambda d: d.sum((0, 1)), d_head), unchunk(d_x_cBtD))
 
   def backward(saved, g):
     d_head, d_x_BTD = saved

@@ -6,6 +6,8 @@ would put `data` twice in a spec. Within a spec a mesh axis is used once: a
 later logical axis that asks for an axis already taken stays unsharded.
 """
 
+import math
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -69,7 +71,16 @@ def shardings(logical_tree, mesh, rules):
 
 def activation_sharding(mesh, rules=ACTIVATION_RULES):
   """While tracing under this context, `constrain` in the model pins activations to the mesh."""
-  return activation_resolver(lambda x, logical_axes: constrain(x, mesh, logical_axes, rules))
+  return activation_resolver(lambda x, logical_axes: constrain(x, mesh, logical_axes, rules),
+                             lambda logical_axis: shard_count(mesh, logical_axis, rules))
+
+
+def shard_count(mesh, logical_axis: str, rules=ACTIVATION_RULES) -> int:
+  """How many shards `logical_axis` has on the mesh being traced: inside a shard_map, its manual axes
+  are already split off (the map's body sees one shard of them)."""
+  entry = spec((logical_axis,), rules)[0]
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in manual)
 
 
 def constrain(x, mesh, logical_axes, rules=ACTIVATION_RULES):

@@ -27,7 +27,7 @@ from parallel.mesh import AXES  # pylint: disable=wrong-import-position
 from training import hf_checkpoint  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpoints  # pylint: disable=wrong-import-position
 from training.token_files import read_meta  # pylint: disable=wrong-import-position
-from training.tokenizer import HF_SCHEME, HfTokenizer, checkpoint_tokenizer, load_tokenizer  # pylint: disable=wrong-import-position
+from training.tokenizer import HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name  # pylint: disable=wrong-import-position
 from training.state import param_count, plan  # pylint: disable=wrong-import-position
 
 
@@ -61,13 +61,15 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str = "flo
 
 
 def tokenizer_folder(config) -> Path | None:
-  """The folder of the Hugging Face tokenizer the run's text went through, if it went through one."""
-  if pretrained := checkpoint_tokenizer(config.init_from):
-    return pretrained.folder
-  if config.data.source == "tokens":
-    name = read_meta(Path(config.data.path).expanduser())["tokenizer"]
-    return load_tokenizer(name).folder if name.startswith(HF_SCHEME) else None
-  return None
+  """The folder of the Hugging Face tokenizer the run's text went through, if it went through one.
+
+  Chosen as the run chose it (run_tokenizer_name), from the token data's meta.json rather than the
+  token files, which an export may no longer have; only a Hugging Face tokenizer is loaded.
+  """
+  tokens = config.data.source == "tokens"
+  data_tokenizer = read_meta(Path(config.data.path).expanduser())["tokenizer"] if tokens else "byte"
+  name = run_tokenizer_name(config.init_from, data_tokenizer)
+  return load_tokenizer(name).folder if name.startswith(HF_SCHEME) else None
 
 
 def define_flags():

@@ -136,14 +136,22 @@ def checkpoint_tokenizer(init_from: str) -> HfTokenizer | None:
   return HfTokenizer(init_from[len(HF_SCHEME):])
 
 
+def run_tokenizer_name(init_from: str, data_tokenizer: str) -> str:
+  """The name of the tokenizer a run's text goes through: its `init_from` checkpoint's when it has one,
+  else its data's."""
+  pretrained = checkpoint_tokenizer(init_from)
+  return data_tokenizer if pretrained is None else pretrained.name
+
+
 def run_tokenizer(init_from: str, data_tokenizer: str, data_origin: str):
-  """The tokenizer a run's text goes through: its `init_from` checkpoint's when it has one, else its data's.
+  """The tokenizer a run's text goes through (run_tokenizer_name), loaded.
 
   Refuses, in one line, token data that another tokenizer wrote (synthetic data carries no text).
   """
-  pretrained = checkpoint_tokenizer(init_from)
-  if pretrained is None:
-    return load_tokenizer(data_tokenizer)
+  name = run_tokenizer_name(init_from, data_tokenizer)
+  if name == data_tokenizer:
+    return load_tokenizer(name)
+  pretrained = load_tokenizer(name)
   if data_origin != "synthetic" and not (data_tokenizer.startswith(HF_SCHEME)
                                          and pretrained.same_as(load_tokenizer(data_tokenizer))):
     raise ValueError(f"{data_origin} holds {data_tokenizer} tokens, but init_from={init_from} has its own "
