@@ -12,13 +12,13 @@ from parallel import analysis, distributed
 from parallel.redundancy import survival_problem
 from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs, report
+from training.dry_run import abstract_inputs, compile_train_step, report
 from training.in_flight import StepsInFlight
 from training.preemption import StopRequests
 from training.profiling import StepProfiler, parse_steps
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
-from training.step import all_finite, make_eval_step, make_train_step
+from training.step import all_finite, make_eval_step
 from training.survive import Finished, Survivor, leave_together
 from training.tokenizer import run_tokenizer
 from training.validate import check_run
@@ -124,16 +124,13 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
     return float(np.mean(jax.device_get(losses)))
 
   survivor = _survivor(config, layout, train_split, evaluate) if config.fault_tolerance == "survive" else None
-  if survivor:
-    train_step = survivor.compiled
-  else:
-    # Compiled ahead so the first interval's tokens/s leaves compilation out and
-    # the program's own memory figure can be logged beside the losses.
-    train_step = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+  # Compiled ahead so the first interval's tokens/s leaves compilation out and the program's own memory
+  # figure can be logged beside the losses. A survivor evaluates inside its protected block.
+  train_step = survivor.compiled if survivor else compile_train_step(layout, config)
+  eval_step = None if survivor else make_eval_step(layout)
   if stop.signal_name and jax.process_count() == 1:  # several processes agree at the first log step
     _log(f"stopped by {stop.signal_name} before step {start + 1}; nothing new to save.")
     return {}
-  eval_step = make_eval_step(layout)
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
   peak_bytes = analysis.memory_summary(train_step)["peak_bytes"]
@@ -188,8 +185,7 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
                            f"loss, gradient or update and were not applied; the last good state is "
                            f"saved as step {done}. {advice}")
       if _eval_due(config, done):
-        last["eval_loss"] = (finished.eval_loss if finished.eval_loss is not None else
-                             evaluate(eval_step, layout, state["params"]))
+        last["eval_loss"] = finished.eval_loss if survivor else evaluate(eval_step, layout, state["params"])
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
