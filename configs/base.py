@@ -63,7 +63,8 @@ def base() -> ml_collections.ConfigDict:
   c.model.max_len = 128  # learned positions; also the training sequence length
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
   c.model.remat = "none"  # none | full | full_offload | save_dots | save_attention | offload
-  # the attention kernel: xla (blockwise, any backend) | cudnn (GPU only) | auto (cudnn where it applies, else xla)
+  # the attention kernel: xla (blockwise, any backend) | cudnn (GPU) | splash (TPU; interpreted elsewhere)
+  # | auto (cudnn or splash where they apply, else xla)
   c.model.attention = "auto"
   c.model.attention_block = 512  # xla attention: positions per query/key block; memory is linear in T
   c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: float32 logits exist chunk by chunk

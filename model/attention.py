@@ -6,30 +6,57 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.sharding_hooks import attention_strategy, constrain
+from model.sharding_hooks import attention_strategy, constrain, local_kernel
 
 
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
 CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention runs in half precision only
 CUDNN_MAX_HEAD = 128
+SPLASH_BLOCK = 128  # TPU splash attention tiles queries and keys in multiples of 128 positions
 
 
 def kernel(cfg: ModelConfig, backend: str) -> str:
   """The kernel model.attention runs on `backend` (jax.default_backend()) for an unsharded, unpacked sequence.
 
   auto takes cuDNN's fused flash attention on a GPU where it applies (half
-  precision, head width a multiple of 8 up to 128), and the blockwise xla
-  kernel everywhere else: CPUs, TPUs (splash attention is not built) and
-  float32 or float8 runs.
+  precision, head width a multiple of 8 up to 128), splash attention on a TPU
+  (a sequence of whole 128-position tiles), and the blockwise xla kernel
+  everywhere else: CPUs, float32 or float8 GPU runs, odd lengths.
   """
   if cfg.attention != "auto":
     return cfg.attention
   head = cfg.embed_dim // cfg.num_heads
-  applies = backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD
-  return "cudnn" if applies else "xla"
+  if backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD:
+    return "cudnn"
+  if backend == "tpu" and cfg.max_len % SPLASH_BLOCK == 0:
+    return "splash"
+  return "xla"
+
+
+def splash_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+  """Causal attention by the splash kernel (Pallas), for queries and keys that are one contiguous run.
+
+  A Mosaic kernel is not partitioned automatically: parallel/ runs this per
+  device (the `local_kernel` hook) on its rows and heads. Off a TPU the kernel
+  runs in Pallas' interpreter, which is how the CPU tests check its numbers.
+  """
+  t, heads, head_dim = q_BTNH.shape[1:]
+  block = max((b for b in range(SPLASH_BLOCK, 4 * SPLASH_BLOCK + 1, SPLASH_BLOCK) if t % b == 0), default=t)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t)) for _ in range(heads)])
+  mha = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                               interpret=jax.default_backend() != "tpu")
+  group = heads // k_BTKH.shape[2]  # grouped-query: each key/value head serves `group` query heads
+  heads_first = lambda x_BTXH: jnp.swapaxes(x_BTXH, 1, 2)
+  q_BNTH = heads_first(q_BTNH * head_dim ** -0.5)
+  k_BNTH, v_BNTH = (heads_first(jnp.repeat(x, group, axis=2)) for x in (k_BTKH, v_BTKH))
+  return heads_first(jax.vmap(mha)(q_BNTH, k_BNTH, v_BNTH))
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None) -> jax.Array:
@@ -46,9 +73,11 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
                                       (segments_BT, segments_BT))
   elif strategy is not None:
     out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
-  elif kernel(cfg, jax.default_backend()) == "cudnn":
+  elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
+  elif chosen == "splash":  # causal by index too
+    out_BTNH = local_kernel(splash_attention, q_BTNH, k_BSKH, v_BSKH)
   else:
     out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)

@@ -5,7 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
-ATTENTION_KERNELS = ("auto", "xla", "cudnn")  # model/attention.py kernel
+ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
@@ -21,7 +21,7 @@ class ModelConfig:
   max_len: int
   vocab_size: int
   remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
-  attention: str = "auto"  # auto | xla | cudnn (model/attention.py kernel)
+  attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk

@@ -6,8 +6,9 @@ logical names into a sharding constraint; it calls `attention(...)` and
 parallel/context.py may install a strategy that runs attention over a sharded
 `length` (ring, Ulysses); a mixture-of-experts layer hands its expert
 computation to an expert strategy (parallel/experts.py: all-to-all over
-`expert`). With nothing installed all three are plain local math, so the
-model runs unchanged on one device.
+`expert`); an attention kernel the partitioner cannot split runs per device
+through a runner (parallel/context.py `per_device`). With nothing installed
+all four are plain local math, so the model runs unchanged on one device.
 """
 
 import contextlib
@@ -75,6 +76,24 @@ def expert_strategy() -> ExpertStrategy | None:
 def expert_parallelism(strategy: ExpertStrategy):
   """While tracing under this, MoE layers call `strategy(experts_fn, x_EBCD, weights)`."""
   return _installed(_experts, strategy)
+
+
+LocalRunner = Callable[..., jax.Array]
+_local: contextvars.ContextVar[LocalRunner | None] = contextvars.ContextVar("local", default=None)
+
+
+def local_kernel(kernel: Callable, q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+  """`kernel(q, k, v)` on each device's own rows and heads, through the installed runner (as is without one).
+
+  For attention kernels the partitioner cannot split (Pallas/Mosaic: splash attention).
+  """
+  run = _local.get()
+  return kernel(q_BTNH, k_BTKH, v_BTKH) if run is None else run(kernel, q_BTNH, k_BTKH, v_BTKH)
+
+
+def local_kernels(run: LocalRunner):
+  """While tracing under this, `local_kernel` calls `run(kernel, q, k, v)`."""
+  return _installed(_local, run)
 
 
 @contextlib.contextmanager

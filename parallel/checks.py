@@ -1,6 +1,7 @@
 """Refuse, in one sentence and before anything compiles, a model or batch that does not divide over the
 mesh, or that asks the devices for something they lack."""
 
+from model.attention import SPLASH_BLOCK, kernel
 from model.config import ModelConfig
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 from parallel.context import STRATEGIES
@@ -17,13 +18,15 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   _divides("model.mlp_dim", model.mlp_dim, "mesh.tensor", tensor)
   _divides("the padded vocabulary", model.padded_vocab, "mesh.tensor", tensor)
   _divides("model.max_len", model.max_len, "mesh.sequence", shape[SEQUENCE])
+  if model.attention == "splash":
+    _check_splash(model, shape)
   if shape[SEQUENCE] > 1:
     _check_context(model, shape[SEQUENCE], tensor, context)
     if shape[PIPELINE] > 1:
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
-  if model.document_end >= 0 and (shape[SEQUENCE] > 1 or shape[PIPELINE] > 1 or model.attention == "cudnn"):
+  if model.document_end >= 0 and (shape[SEQUENCE] > 1 or shape[PIPELINE] > 1 or model.attention in ("cudnn", "splash")):
     raise ValueError(
         f"packed documents (data.segments, model.document_end={model.document_end}) are masked by "
         f"model.attention=xla or auto on an unsharded sequence without a pipeline, but this run has "
@@ -86,10 +89,28 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
         f"pipeline.microbatches={micro} for mesh.pipeline={stages}; raise microbatches to {stages} or more.")
 
 
+def attention_kernel(model: ModelConfig, shape: dict[str, int], platform: str) -> str:
+  """model.attention made concrete for this mesh and platform: auto's choice (model/attention.py kernel)
+  for a whole, unpacked sequence outside a pipeline's stages (splash cannot run inside one), xla elsewhere."""
+  if model.attention != "auto":
+    return model.attention
+  if shape[SEQUENCE] > 1 or model.document_end >= 0:
+    return "xla"
+  chosen = kernel(model, platform)
+  return "xla" if chosen == "splash" and shape[PIPELINE] > 1 else chosen
+
+
+def _check_splash(model: ModelConfig, shape: dict[str, int]) -> None:
+  if shape[PIPELINE] > 1:
+    raise ValueError(f"model.attention=splash runs per device in its own shard_map, which cannot nest inside "
+                     f"mesh.pipeline={shape[PIPELINE]}'s stages; use model.attention=auto or xla with a pipeline.")
+  _divides("model.max_len", model.max_len, "splash attention's 128-position tiles", SPLASH_BLOCK)
+
+
 def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -> None:
   if context not in STRATEGIES:
     raise ValueError(f"attention.context={context!r} is unknown; use one of {', '.join(STRATEGIES)}.")
-  if model.attention == "cudnn":
+  if model.attention in ("cudnn", "splash"):
     raise ValueError(
         f"model.attention={model.attention!r} masks by index and cannot attend over a sharded "
         "sequence; use model.attention=auto or xla with mesh.sequence > 1.")

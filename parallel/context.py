@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.attention import blockwise_attention, flash_gradients, merge_blocks
-from parallel.mesh import DATA, EXPERT, SEQUENCE
+from parallel.mesh import DATA, EXPERT, SEQUENCE, TENSOR
 
 STRATEGIES = ("allgather", "ring", "ulysses")
 _ACTIVATION = P((EXPERT, DATA), SEQUENCE)  # (batch, length, ...) as parallel/rules.py lays activations out
@@ -46,6 +46,23 @@ def strategy(name: str, mesh):
                          out_specs=_ACTIVATION, axis_names={EXPERT, DATA, SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
 
   return attend
+
+
+def per_device(mesh):
+  """The runner of attention kernels the partitioner cannot split (model/sharding_hooks.py local_kernel).
+
+  Each device attends its own rows (`expert`, `data`) and heads (`tensor`); a
+  kernel that runs this way needs the whole sequence on each device, outside
+  a pipeline's stages (parallel/checks.py).
+  """
+  spec = P((EXPERT, DATA), None, TENSOR)
+
+  def run(kernel, q_BTNH, k_BTKH, v_BTKH):
+    # Pallas kernels do not state how their outputs vary over the manual axes: every one does, per device.
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         axis_names={EXPERT, DATA, TENSOR}, check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+
+  return run
 
 
 def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, block):

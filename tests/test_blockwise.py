@@ -1,5 +1,7 @@
 """Memory-linear attention and loss: blockwise attention and the chunked head equal the plain math."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from model.attention import attention_block, blockwise_attention, kernel
 from model.transformer import chunk_count, chunked_cross_entropy
 from parallel.context import zigzag_order
 from test_equivalence import assert_tree_close, loss_and_gradients
-from training.state import build_model, model_config
+from parallel.checks import attention_kernel
+from training.state import build_model, model_config, plan
 
 LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192}
 
@@ -22,7 +25,9 @@ LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "mo
     ({"precision.compute": "float32"}, "gpu", "xla"),  # cuDNN's fused attention is half precision only
     ({"precision.compute": "float8"}, "gpu", "xla"),
     ({"precision.compute": "bfloat16"}, "cpu", "xla"),
-    ({"precision.compute": "bfloat16"}, "tpu", "xla"),  # splash attention is not built
+    ({"precision.compute": "bfloat16", "model.max_len": 256}, "tpu", "splash"),
+    ({"precision.compute": "float32", "model.max_len": 128}, "tpu", "splash"),
+    ({"precision.compute": "bfloat16"}, "tpu", "xla"),  # 32 positions: not a whole 128-position tile
     ({"precision.compute": "bfloat16", "model.embed_dim": 1024, "model.num_heads": 4}, "gpu", "xla"),  # head 256
     ({"precision.compute": "bfloat16", "model.embed_dim": 60, "model.num_heads": 5}, "gpu", "xla"),  # head 12
     ({"precision.compute": "float32", "model.attention": "cudnn"}, "cpu", "cudnn"),  # asked for: as asked
@@ -30,6 +35,42 @@ LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "mo
 ])
 def test_auto_attention_takes_cudnn_only_where_it_applies(overrides, backend, expected):
   assert kernel(model_config(tiny_config(**overrides)), backend) == expected
+
+
+SPLASH = {"model.attention": "splash", "model.max_len": 128}
+
+
+@pytest.mark.parametrize("overrides, shape, platform, expected", [
+    ({"model.max_len": 128}, {}, "tpu", "splash"),
+    ({"model.max_len": 128}, {"pipeline": 2}, "tpu", "xla"),  # splash's shard_map cannot nest in a stage
+    ({"model.max_len": 128}, {"sequence": 2}, "tpu", "xla"),  # a context strategy attends
+    ({"model.max_len": 128, "model.document_end": 0}, {}, "tpu", "xla"),  # packed documents
+    ({"precision.compute": "bfloat16"}, {"pipeline": 2}, "gpu", "cudnn"),
+    (SPLASH, {}, "cpu", "splash"),  # asked for: Pallas' interpreter off a TPU
+])
+def test_a_plan_makes_auto_attention_concrete(overrides, shape, platform, expected):
+  mesh = {"data": 1, "pipeline": 1, "expert": 1, "sequence": 1, "tensor": 1, **shape}
+  assert attention_kernel(model_config(tiny_config(**overrides)), mesh, platform) == expected
+
+
+@pytest.mark.parametrize("mesh", [{"mesh.data": 1}, {"mesh.data": 4, "mesh.tensor": 2}])
+def test_splash_attention_equals_the_xla_kernel(mesh):
+  # Off a TPU the splash kernel runs in Pallas' interpreter, per device through parallel/context.py per_device.
+  devices = jax.devices()[:1] if mesh["mesh.data"] == 1 else jax.devices()
+  ref_loss, ref_grads = loss_and_gradients({**mesh, **SPLASH, "model.attention": "xla"}, devices)
+  loss, grads = loss_and_gradients({**mesh, **SPLASH}, devices)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({**SPLASH, "mesh.data": 4, "mesh.pipeline": 2}, "cannot nest inside mesh.pipeline=2's stages"),
+    ({"model.attention": "splash"}, "model.max_len=32 is not divisible by splash attention's 128-position tiles"),
+    ({**SPLASH, "model.document_end": 0}, "packed documents"),
+])
+def test_splash_where_it_cannot_run_is_refused_in_one_line(overrides, says):
+  with pytest.raises(ValueError, match=re.escape(says)):
+    plan(tiny_config(**overrides))
 
 
 def qkv(t, s, heads=4, kv_heads=2, head_dim=8, seed=0):

@@ -90,6 +90,7 @@ def test_ulysses_trades_sequence_for_heads_with_all_to_alls():
     ({"attention.context": "ring", "model.max_len": 20}, 4, "2 x mesh.sequence"),
     ({"attention.context": "ulysses", "model.num_heads": 4}, 8, "Ulysses splits heads"),
     ({"model.attention": "cudnn"}, 2, "model.attention='cudnn' masks by index"),
+    ({"model.attention": "splash", "model.max_len": 128}, 2, "model.attention='splash' masks by index"),
     ({"attention.context": "striped"}, 2, "attention.context='striped' is unknown"),
     ({"mesh.pipeline": 2}, 2, "would nest the context strategy's shard_map"),
 ])

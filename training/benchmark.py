@@ -12,7 +12,6 @@ import time
 
 import jax
 
-from model.attention import kernel
 from parallel import analysis
 from training import data, metrics
 from training.dry_run import abstract_inputs
@@ -43,7 +42,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
   record = {"params": params, "active_params": active_param_count(layout), "batch": config.batch_size, "seq": seq_len,
             "mesh": {axis: size for axis, size in layout.mesh.shape.items() if size > 1},
             "devices": layout.mesh.size, "device_kind": jax.devices()[0].device_kind,
-            "compute": config.precision.compute, "attention": kernel(layout.model, jax.default_backend()),
+            "compute": config.precision.compute, "attention": layout.model.attention,
             "remat": config.model.remat, "compile_s": round(compile_s, 2),
             "compiled_peak_gib": round(compiled_peak / GIB, 3)}
   limit = _device_bytes_limit()

@@ -18,7 +18,7 @@ from model.gpt2 import GPT2
 from model.llama import Llama
 from model.transformer import chunk_positions
 from parallel import rules
-from parallel.checks import check_backend, check_divides
+from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
 from training.optimizer import make_optimizer
@@ -77,6 +77,7 @@ def plan(config, devices=None) -> Layout:
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
                 zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
   check_backend(cfg, mesh.devices.flat[0])
+  cfg = dataclasses.replace(cfg, attention=attention_kernel(cfg, dict(mesh.shape), mesh.devices.flat[0].platform))
   micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
   rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
   to_positions = lambda tokens: chunk_positions(tokens, rows, mesh.shape[SEQUENCE]) if tokens else 0

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from model.sharding_hooks import context_strategy, expert_parallelism
+from model.sharding_hooks import context_strategy, expert_parallelism, local_kernels
 from parallel import context, experts, microbatch, pipeline, rules
 from parallel.mesh import EXPERT, SEQUENCE
 from training import loss_scale
@@ -33,9 +33,11 @@ def loss_fn(layout: Layout, params, batch) -> jax.Array:
 
 @contextlib.contextmanager
 def placement(layout: Layout):
-  """While tracing: activations pinned by the rules, attention by the context strategy."""
+  """While tracing: activations pinned by the rules, attention by the context strategy, a kernel the
+  partitioner cannot split run per device."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(rules.activation_sharding(layout.mesh))
+    stack.enter_context(local_kernels(context.per_device(layout.mesh)))
     if layout.context != "none":
       stack.enter_context(context_strategy(context.strategy(layout.context, layout.mesh)))
     if layout.mesh.shape[EXPERT] > 1 and layout.model.num_experts:
