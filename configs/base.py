@@ -109,6 +109,9 @@ def base() -> ml_collections.ConfigDict:
 
   c.sharding = ml_collections.ConfigDict()
   c.sharding.zero = 0  # 0: replicated; 1: optimizer state over data; 3: params too (FSDP)
+  # HSDP: ZeRO within groups of this many data devices (run on the expert axis), replicas across groups;
+  # 0: ZeRO over all of data
+  c.sharding.fsdp_group = 0
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum

@@ -9,7 +9,7 @@ from parallel.schedules import SCHEDULES
 
 
 def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int, grad_accum: int,
-                  zero: int, pipeline=None, context: str = "allgather") -> None:
+                  zero: int, pipeline=None, context: str = "allgather", fsdp_group: int = 0) -> None:
   """Raise ValueError naming the first setting that cannot be laid out on this mesh."""
   tensor, data_parallel = shape[TENSOR], shape[DATA] * shape[EXPERT]
   if zero not in (0, 1, 3):
@@ -38,8 +38,13 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"moe.experts={model.num_experts} with mesh.pipeline={shape[PIPELINE]}: the pipeline schedules "
           "do not carry the router's auxiliary losses yet; shard a MoE model over data, expert and tensor.")
+  if fsdp_group and (zero == 0 or model.num_experts):
+    raise ValueError(f"sharding.fsdp_group={fsdp_group} shards ZeRO's state within groups of a dense model, but "
+                     f"this run has sharding.zero={zero}, moe.experts={model.num_experts}; use zero=1 or 3 "
+                     "without experts, or fsdp_group=0.")
   if zero == 3:
-    _divides("model.embed_dim", model.embed_dim, "mesh.data (FSDP shards it)", shape[DATA])
+    axis = EXPERT if fsdp_group else DATA
+    _divides("model.embed_dim", model.embed_dim, f"mesh.{axis} (FSDP shards it)", shape[axis])
   if grad_accum < 1 or batch_size % grad_accum:
     raise ValueError(
         f"batch_size={batch_size} does not split into grad_accum={grad_accum} equal micro-batches; "

@@ -121,9 +121,9 @@ def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
 
 def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
-  zero, d = config.sharding.zero, dims(config, mesh)
-  params = sum(shard_elements(w, mesh, rules.weight_rules(zero)) for w in weights) * MASTER_BYTES
-  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero)) for w in weights)
+  zero, axis, d = config.sharding.zero, rules.fsdp_axis(config.sharding), dims(config, mesh)
+  params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
+  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) for w in weights)
              * np.dtype(config.precision.moments).itemsize)
   if config.optimizer.name not in ADAM_MOMENTS:
     raise ValueError(f"optimizer.name={config.optimizer.name!r} has no memory estimate.")
@@ -285,7 +285,7 @@ def _gradients(config, mesh, weights, traffic):
   """Data parallelism and ZeRO: gradients summed over every axis that splits the tokens.
 
   ZeRO-0 all-reduces each gradient. With ZeRO-1/3 a weight whose moments live
-  on `data` has its gradient reduce-scattered there (the other token axes
+  on `data` (hybrid sharding: its groups on `expert`) has its gradient reduce-scattered there (the other token axes
   all-reduce the shard); ZeRO-1 then all-gathers the updated weights, ZeRO-3
   all-gathers each weight where it is used (in the dtype it is used in):
   stacked layers once in the forward loop and once in the backward loop, the
@@ -298,31 +298,32 @@ def _gradients(config, mesh, weights, traffic):
   together), and under ZeRO-3 gathers every weight once.
   """
   zero, accum, pipelined = config.sharding.zero, config.grad_accum, mesh[PIPELINE] > 1
+  axis = rules.fsdp_axis(config.sharding)  # where ZeRO shards: `data`, or hybrid sharding's groups
   param_bytes = MASTER_BYTES
   token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
   tied = config.model.family == "gpt2"
   for w in weights:
     # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
     used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
-    fsdp = zero == 3 and DATA in sharded_over(w, mesh, rules.weight_rules(3))
-    scatter = DATA in token_axes and DATA in sharded_over(w, mesh, rules.optimizer_rules(zero))
+    fsdp = zero == 3 and axis in sharded_over(w, mesh, rules.weight_rules(3, axis))
+    scatter = axis in token_axes and axis in sharded_over(w, mesh, rules.optimizer_rules(zero, axis))
     uses = 2 if tied and w.axes == ("vocab", "embed") and not (scatter or pipelined) else 1
     # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
     # Under a pipeline the weights outside the stages are also summed over `pipeline`.
-    replicas = ((token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({DATA} if scatter else set()))
+    replicas = ((token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({axis} if scatter else set()))
                 | ({PIPELINE} if pipelined and not w.stacked else set()))
     grad = used
     if scatter:
-      traffic[("reduce-scatter", DATA)] += accum * uses * _gather(used, mesh[DATA])
-      grad //= mesh[DATA]
+      traffic[("reduce-scatter", axis)] += accum * uses * _gather(used, mesh[axis])
+      grad //= mesh[axis]
     if replicas:
       group = math.prod(mesh[a] for a in replicas)
       traffic[("all-reduce", _axes_key(replicas))] += accum * uses * _all_reduce(grad, group)
     if scatter and zero == 1:
-      traffic[("all-gather", DATA)] += _gather(used, mesh[DATA])
+      traffic[("all-gather", axis)] += _gather(used, mesh[axis])
     if fsdp:
       gathered = used // param_bytes * _gathered_bytes(config, w, weights)
-      traffic[("all-gather", DATA)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[DATA])
+      traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[axis])
 
 
 def _gathered_bytes(config, w: Weight, weights: list[Weight]) -> int:

@@ -35,8 +35,29 @@ def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   return sizes
 
 
-def make_mesh(mesh_config, devices=None) -> Mesh:
-  """A mesh over `devices` (all by default) with every axis in Auto mode.
+def hybrid_shape(shape: dict[str, int], fsdp_group: int) -> dict[str, int]:
+  """HSDP (sharding.fsdp_group=G): the `data` devices as data/G replica groups of G devices on `expert`.
+
+  ZeRO then shards within each group (parallel/rules.py fsdp_axis) and `data`
+  holds the replicas; `expert` lies inside `data`, so a group's devices are
+  neighbours (one host's fast links) while replicas span hosts. The batch
+  splits over both, as always. Dense models only: `expert` is otherwise idle.
+  """
+  if fsdp_group < 0:
+    raise ValueError(f"sharding.fsdp_group={fsdp_group} is negative; use 0 (ZeRO over all of data) or a group size.")
+  if not fsdp_group:
+    return shape
+  if shape[EXPERT] != 1:
+    raise ValueError(f"sharding.fsdp_group={fsdp_group} runs the ZeRO groups on the expert axis, so mesh.expert "
+                     f"must be 1, got {shape[EXPERT]}; hybrid sharding is for dense models.")
+  if shape[DATA] % fsdp_group:
+    raise ValueError(f"mesh.data={shape[DATA]} does not split into groups of sharding.fsdp_group={fsdp_group} "
+                     "devices; choose a group size that divides it.")
+  return {**shape, DATA: shape[DATA] // fsdp_group, EXPERT: fsdp_group}
+
+
+def make_mesh(mesh_config, devices=None, fsdp_group: int = 0) -> Mesh:
+  """A mesh over `devices` (all by default) with every axis in Auto mode; `fsdp_group` as hybrid_shape.
 
   Auto rather than Explicit: shardings come from the logical rules as
   constraints and GSPMD propagates the rest, the way MaxText runs by default;
@@ -44,7 +65,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   output sharding inside the model, which must stay mesh-agnostic.
   """
   devices = jax.devices() if devices is None else devices
-  shape = mesh_shape(mesh_config, len(devices))
+  shape = hybrid_shape(mesh_shape(mesh_config, len(devices)), fsdp_group)
   axis_types = (AxisType.Auto,) * len(AXES)
   if len(devices) == jax.device_count():
     return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=axis_types, devices=devices)

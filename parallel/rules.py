@@ -38,13 +38,18 @@ _WEIGHT_RULES = (
     ("head_dim", None),
 )
 
-def weight_rules(zero: int) -> tuple:
-  """ZeRO-3 (FSDP) shards every weight's `embed` axis over `data`; below that it is replicated."""
-  return _WEIGHT_RULES + (("embed", DATA if zero == 3 else None),)
+def fsdp_axis(sharding_config) -> str:
+  """The axis ZeRO shards over: `data`, or under hybrid sharding (sharding.fsdp_group) the groups on
+  `expert`, `data` then holding the replicas (parallel/mesh.py hybrid_shape)."""
+  return EXPERT if sharding_config.fsdp_group else DATA
 
-def optimizer_rules(zero: int) -> tuple:
+def weight_rules(zero: int, axis: str = DATA) -> tuple:
+  """ZeRO-3 (FSDP) shards every weight's `embed` axis over `axis`; below that it is replicated."""
+  return _WEIGHT_RULES + (("embed", axis if zero == 3 else None),)
+
+def optimizer_rules(zero: int, axis: str = DATA) -> tuple:
   """ZeRO-1 and ZeRO-3 keep Adam's moments in the FSDP layout; ZeRO-0 mirrors the weights."""
-  return weight_rules(3 if zero >= 1 else 0)
+  return weight_rules(3 if zero >= 1 else 0, axis)
 
 def spec(logical_axes, rules) -> P:
   """The PartitionSpec for a tuple of logical names (None = unsharded)."""

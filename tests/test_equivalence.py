@@ -27,6 +27,7 @@ LAYOUTS = {
     "zero1 data=2 x tensor=2": {"mesh.data": 2, "mesh.tensor": 2, "sharding.zero": 1},
     "data=2 x expert=2 x tensor=2": {"mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2},
     "fsdp data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
+    "hsdp data=8 in groups of 4": {"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4},
     "data=4 x sequence=2": {"mesh.data": 4, "mesh.sequence": 2},
     "data=8 remat=full": {"mesh.data": 8, "model.remat": "full"},
     "data=4 x tensor=2 remat=save_dots": {"mesh.data": 4, "mesh.tensor": 2, "model.remat": "save_dots"},

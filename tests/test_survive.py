@@ -27,6 +27,8 @@ TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2
     ({"mesh.data": 4, "mesh.tensor": 2}, None),  # tensor inside a process, replicas across them
     ({"mesh.data": 8, "sharding.zero": 1}, "opt_state"),
     ({"mesh.data": 8, "sharding.zero": 3}, "params"),
+    # hybrid sharding: ZeRO-3 within groups of 4 devices (2 processes), replicated across the groups
+    ({"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4}, None),
     ({"mesh.data": 2, "mesh.tensor": 4}, None),  # tensor spans processes, but each replica has a copy
     ({"mesh.pipeline": 2, "mesh.tensor": 4}, "params"),  # one copy of each stage's shards
 ])

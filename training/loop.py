@@ -227,6 +227,11 @@ def _survivor(config, layout, train_split, evaluate) -> Survivor | None:
     _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
          "run, and the same command resumes it from the last checkpoint.")
     return None
+  if config.sharding.fsdp_group:
+    _log("fault_tolerance=survive: hybrid sharding keeps each shard on two processes, but shrinking the mesh "
+         "to the replica groups a lost process leaves whole is not built; a lost process will end the run, and "
+         "the same command resumes it from the last checkpoint.")
+    return None
   # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))

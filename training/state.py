@@ -72,10 +72,11 @@ class Layout:
 
 def plan(config, devices=None) -> Layout:
   """Check the config against the mesh and derive every sharding, without allocating arrays."""
-  mesh = make_mesh(config.mesh, devices)
+  mesh = make_mesh(config.mesh, devices, config.sharding.fsdp_group)
   cfg = model_config(config)
   check_divides(cfg, dict(mesh.shape), batch_size=config.batch_size, grad_accum=config.grad_accum,
-                zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context)
+                zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context,
+                fsdp_group=config.sharding.fsdp_group)
   check_backend(cfg, mesh.devices.flat[0])
   cfg = dataclasses.replace(cfg, attention=attention_kernel(cfg, dict(mesh.shape), mesh.devices.flat[0].platform))
   micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
@@ -91,9 +92,9 @@ def plan(config, devices=None) -> Layout:
   params_abstract = nnx.to_pure_dict(abstract_params)
   tx = make_optimizer(config, params_abstract)
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
-  zero = config.sharding.zero
-  param_shardings = rules.shardings(logical, mesh, rules.weight_rules(zero))
-  moment_shardings = rules.shardings(logical, mesh, rules.optimizer_rules(zero))
+  zero, axis = config.sharding.zero, rules.fsdp_axis(config.sharding)
+  param_shardings = rules.shardings(logical, mesh, rules.weight_rules(zero, axis))
+  moment_shardings = rules.shardings(logical, mesh, rules.optimizer_rules(zero, axis))
   replicated = NamedSharding(mesh, P())
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, moment_shardings,
                                         transform_non_params=lambda _: replicated)
