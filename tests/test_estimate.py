@@ -15,6 +15,10 @@ equal exactly; the compiled program sends each within 10%, plus only the
 small extra keys listed with it (partial sums no layout accounts for).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from conftest import tiny_config
@@ -102,6 +106,17 @@ def compiled():
 def assert_close(estimated, measured, what, tolerance=TOLERANCE):
   assert abs(measured - estimated) <= tolerance * measured, (
       f"{what}: estimate {estimated:,} vs compiled {measured:,} ({measured / max(estimated, 1):.2f}x)")
+
+
+def test_readme_longest_context_table_is_what_the_tool_prints_at_this_commit():
+  # The textbook's long-context table beside meshlm's: a change to the estimator must regenerate it
+  # (python tools/longest_context.py --write).
+  root = Path(__file__).resolve().parent.parent
+  printed = subprocess.run([sys.executable, "tools/longest_context.py"], cwd=root, capture_output=True, text=True,
+                           check=True, timeout=120).stdout
+  readme = (root / "README.md").read_text()
+  block = readme[readme.index("<!-- longest-context -->\n") + len("<!-- longest-context -->\n"):]
+  assert block.startswith(printed), "README's longest-context table is stale: run tools/longest_context.py --write"
 
 
 def test_textbook_gpt2_1558m_on_one_device():
