@@ -62,7 +62,8 @@ def test_the_mesh_shrinks_over_data_and_keeps_the_global_batch(before, live, aft
 def test_a_lost_process_that_took_state_with_it_ends_the_run_in_a_sentence():
   config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "batch_size": 24})
   layout = plan(config)
-  survivor = Survivor(config, layout, split=None, compile_steps=lambda layout, config: (None, None))
+  survivor = Survivor(config, layout, split=None, evaluate=None, eval_due=lambda done: False,
+                      compile_steps=lambda layout, config: (None, None))
   with pytest.raises(ValueError) as refusal:
     survivor._relayout(jax.devices()[:6], step=4)
   # Here one process stands in for four: the sentence names why the state cannot be rebuilt.

@@ -90,11 +90,10 @@ def move_state(state, layout: Layout):
 class Survivor:
   """Train steps that outlive lost processes; `steps()` yields each finished one."""
 
-  def __init__(self, config, layout: Layout, split, evaluate=None, eval_due=lambda done: False,
-               compile_steps=None):
+  def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None):
     self.config, self.layout, self._split = config, layout, split
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
-    self._compile_steps = compile_steps or compiled_steps
+    self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
     self._all_devices = list(layout.mesh.devices.flat)
     self.compiled, self._eval_step = self._compile_steps(layout, config)
 
