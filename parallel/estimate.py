@@ -160,6 +160,12 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
           + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0))
 
 
+def _mlp_inputs(config) -> int:
+  """Hidden values per MLP position whose gradients its backward pass makes: GELU's input and output,
+  SwiGLU's gate, up projection and their product."""
+  return 2 if config.model.family == "gpt2" else 3
+
+
 def _cast_weight_bytes(config, mesh, weights) -> int:
   """One layer's matrices in the compute dtype, as the step uses them (gathered under FSDP)."""
   layers = config.model.num_layers // mesh[PIPELINE]
@@ -193,62 +199,92 @@ def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   raise ValueError(f"model.remat={policy!r} has no memory estimate.")
 
 
+def _held_layers(config, mesh: dict) -> tuple[int, int]:
+  """(copies, layers): how many micro-batches' residuals a device holds at once, each for this many
+  layers. One without a pipeline; 1F1B's stash slots; GPipe's and the interleaved schedule's every
+  tick of the stage loop, each for the layers of one virtual stage."""
+  layers, stages = config.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
+  if stages == 1:
+    return 1, layers
+  micro = config.pipeline.microbatches
+  if config.pipeline.schedule == "1f1b":
+    return schedules.stash_slots(stages=stages, micro=micro), layers
+  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
+  return schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro), layers // virtual
+
+
 def host_memory(config, mesh: dict) -> int:
   """Per-device bytes the remat policy parks in pinned host memory: each layer's offloaded values,
   for every micro-batch whose residuals are held at once (as `activations` counts them on the device)."""
   d, policy = dims(config, mesh), config.model.remat
   per_layer = {"full_offload": d.activation_bytes(d.embed),
                "offload": d.tokens * d.heads * d.head_dim * d.compute_bytes}.get(policy, 0)
-  layers, stages = config.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
-  if stages == 1:
-    return layers * per_layer
-  micro = config.pipeline.microbatches
-  if config.pipeline.schedule == "1f1b":
-    return schedules.stash_slots(stages=stages, micro=micro) * layers * per_layer
-  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
-  return schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro) * (layers // virtual) * per_layer
+  copies, layers = _held_layers(config, mesh)
+  return copies * layers * per_layer
+
+
+def _loss_bytes(d: Dims) -> int:
+  """The head and loss running backward over one chunk: the chunk's logits in float32 three times
+  (logits, exponentials, their gradient) and in the compute dtype twice, the head input's gradient, and
+  the head weight's float32 gradient for the chunk beside the running sum (counted in `grads`)."""
+  logits = d.batch * d.loss_positions * d.vocab * (3 * 4 + 2 * d.compute_bytes)
+  return logits + d.activation_bytes(d.embed) + d.embed * d.vocab * 4
 
 
 def activations(config, d: Dims, weights: list[Weight]) -> int:
-  """Activations saved for the backward pass, one layer's backward working set, and the loss's.
+  """Activations saved for the backward pass, and the larger of one layer's backward working set and the loss's.
 
-  While a layer runs backward, the gradients of its values take about as
-  much room as what it saved.
+  The loss runs backward before any layer does, so its chunk's logits are
+  gone by the time a layer's working set is live. A layer's backward pass
+  holds what the layer saved (recomputed, under remat) and the gradients it
+  makes: while its MLP runs backward, the MLP's hidden gradients; while its
+  attention runs backward, the query gradient in float32 beside the output's
+  gradient, the residual stream's gradient in float32 going in and coming
+  out, and for blockwise attention one block pair's scores and the keys' and
+  values' float32 gradients. Checked against the compiled program
+  (`tools/longest_context.py --compile`: the 1B Llama at the lengths the
+  longest-context table gives, and `tools/context_memory.py --estimate`).
   """
   mesh, layers = d.mesh, config.model.num_layers // d.mesh[PIPELINE]
-  # One chunk's float32 logits, exponentials and their gradient, and the head input's gradient.
-  loss = 3 * d.batch * d.loss_positions * d.vocab * 4 + d.activation_bytes(d.embed)
-  working = _layer_saved_bytes(config, d, weights)
+  loss = _loss_bytes(d)
+  residuals = _layer_saved_bytes(config, d, weights)
+  mlp = residuals + d.tokens // d.mlp_chunks * _mlp_inputs(config) * d.mlp * d.compute_bytes
+  attention = residuals + d.tokens * (d.heads * d.head_dim * (4 + d.compute_bytes) + 2 * d.embed * 4)
   if d.blockwise:
+    blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
     # One block pair's float32 scores, probabilities and their gradients, and the keys' and values'
     # float32 gradients, which the backward pass accumulates over every query block.
-    blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
-    working += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
+    attention += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
+  if d.context == "allgather":
+    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 again as
+    # the blocks the attention scans (in float32 the blocks are the gathered buffer's own).
+    gathered = 2 if d.compute_bytes < 4 else 1
+    attention += gathered * 2 * d.batch * d.keys * d.kv_heads * d.head_dim * d.compute_bytes
   if d.context == "ring":
-    # The ring's backward pass: the visiting K/V block and its float32 gradients, and dQ in float32.
-    working += d.tokens * (2 * d.kv_heads * d.head_dim * (d.compute_bytes + 4) + d.heads * d.head_dim * 4)
-  saved = _remat_saved_bytes(config, d, weights)
+    # The ring's backward pass: the visiting K/V block and its float32 gradients, each as sent and as
+    # received, and the query gradient's running sum beside this hop's share.
+    attention += d.tokens * (4 * d.kv_heads * d.head_dim * (d.compute_bytes + 4) + 2 * d.heads * d.head_dim * 4)
+  working = max(mlp, attention)
+  saved, (copies, held) = _remat_saved_bytes(config, d, weights), _held_layers(config, mesh)
   if mesh[PIPELINE] == 1:
-    return layers * saved + working + loss
+    return held * saved + max(working, loss)
   stages, micro = mesh[PIPELINE], config.pipeline.microbatches
   if config.pipeline.schedule == "1f1b":
     # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
     tokens = d.batch * d.length // stages
     chunk = tokens // chunk_count(tokens, chunk_positions(config.model.loss_chunk, d.batch, 1))
+    # Every micro-batch's chunk of float32 logits, exponentials and their gradient stays until its backward tick.
     loss = 3 * chunk * d.vocab * 4 + d.activation_bytes(d.embed) // stages
     # Each stashed micro-batch's residuals; the weights' casts to the compute dtype are kept once.
     casts = layers * _cast_weight_bytes(config, mesh, weights) if (
         config.model.remat == "none" and d.compute_bytes < 4) else 0
-    return (schedules.stash_slots(stages=stages, micro=micro) * (layers * saved - casts) + casts
-            + working + micro * loss)
+    return copies * (held * saved - casts) + casts + working + micro * loss
   # The head runs after the stage loop on 1/P of the batch's rows.
   loss = loss * micro // stages
-  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
-  ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
-  # Autodiff through the tick loop saves every tick's stage activations, bubble ticks
-  # included (zeros where the cond skipped the stage), and the chunk of weights each tick slices out for its stage.
-  chunk = _stage_weight_bytes(config, mesh, weights) // virtual
-  return ticks * ((layers // virtual) * saved + chunk) + working + loss
+  # Autodiff through the tick loop saves every tick's stage activations, bubble ticks included (zeros
+  # where the cond skipped the stage), and the chunk of weights each tick slices out for its stage.
+  chunk = _stage_weight_bytes(config, mesh, weights) * held // layers
+  return copies * (held * saved + chunk) + working + loss
 
 
 def _stage_weight_bytes(config, mesh, weights) -> int:

@@ -3,36 +3,47 @@
   python tools/longest_context.py                      # 1B Llama, bf16, 80 and 141 GB, 1 / 8 / 32 devices
   python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none --mlp_chunk=0,1024
   python tools/longest_context.py --write               # and rewrite README's <!-- longest-context --> table
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/longest_context.py --compile --memory_gb=80
 
 For each device memory, device count (all of them on `sequence`, one
 sequence in the batch), context strategy and remat policy, the longest
 sequence whose estimated per-device bytes (parallel/estimate.py: parameters,
 gradients, AdamW moments, activations) fit. Attention is blockwise and the
 loss chunked, so activations grow linearly in T / devices. Nothing is
-compiled: `train.py --dry_run` at lengths a machine can compile shows the
-estimate beside the compiled temporaries.
+compiled, unless --compile: then each `full` remat cell whose devices this
+machine has (simulated ones count) is compiled ahead of time at the length
+the table gives, allocating nothing, and XLA's per-device peak is printed
+beside the estimate's and the memory size. Offloading policies are left
+out there: off an accelerator the host memory is the device memory.
 """
 
 import math
+import os
 import sys
 from pathlib import Path
 
 # `python tools/longest_context.py` puts tools/ on sys.path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This tool compiles and never runs: skip XLA's CPU pass that widens bf16 all-reduces to float32, which
+# aborts on the sequence-sharded 1B step (train.py --dry_run --simulate_devices does the same).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion"
 
+import jax  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
-from parallel import estimate  # pylint: disable=wrong-import-position
+from parallel import analysis, estimate  # pylint: disable=wrong-import-position
 from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
 from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
-from training.dry_run import model_weights  # pylint: disable=wrong-import-position
+from training.dry_run import compile_train_step, model_weights  # pylint: disable=wrong-import-position
+from training.state import plan  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Model and run config.")
 _MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")
 _DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on the `sequence` axis.")
 _REMAT = flags.DEFINE_list("remat", ["full", "full_offload"], "model.remat policies.")
 _MLP_CHUNK = flags.DEFINE_list("mlp_chunk", ["0", "4096"], "model.mlp_chunk values (tokens per device; 0: off).")
+_COMPILE = flags.DEFINE_bool("compile", False, "Compile the `full` remat cells at their lengths and print XLA's peak.")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between README's <!-- longest-context --> markers.")
 README = Path(__file__).resolve().parent.parent / "README.md"
 STEP = 1024  # lengths searched in multiples of this (times the device count)
@@ -93,8 +104,35 @@ def table(config) -> str:
   return "\n".join(lines) + "\n"
 
 
+def print_compiled_peaks(config) -> None:
+  """Each `full` remat cell compiled at its longest length: estimated and XLA's peak bytes per device,
+  printed row by row (each compile takes a while)."""
+  config.batch_size, config.grad_accum, config.data.source = 1, 1, "synthetic"
+  config.model.remat = "full"
+  weights = model_weights(config)
+  print("| memory per device | strategy | mlp_chunk | devices | length | estimate GB | compiled GB | compiled / estimate |")
+  print("|---" * 8 + "|", flush=True)
+  for memory_gb in map(float, _MEMORY.value):
+    for strategy in STRATEGIES:
+      for mlp_chunk in map(int, _MLP_CHUNK.value):
+        config.attention.context, config.model.mlp_chunk = strategy, mlp_chunk
+        for devices in (int(d) for d in _DEVICES.value):
+          if devices > jax.device_count() or not usable(config, strategy, devices):
+            continue
+          config.model.max_len = longest(config, devices, int(memory_gb * 1e9), weights)
+          config.mesh.data, config.mesh.sequence = 1, devices
+          guess = sum(estimate.memory(config, sequence_mesh(devices), weights).values())
+          layout = plan(config, jax.devices()[:devices])
+          peak = analysis.memory_summary(compile_train_step(layout, config))["peak_bytes"]
+          print(f"| {memory_gb:g} GB | {strategy} | {mlp_chunk or 'off'} | {devices} | {config.model.max_len:,} | "
+                f"{guess / 1e9:.1f} | {peak / 1e9:.1f} | {peak / guess:.2f} |", flush=True)
+
+
 def main(argv):
   del argv
+  if _COMPILE.value:
+    print_compiled_peaks(_CONFIG.value)
+    return
   text = table(_CONFIG.value)
   print(text, end="")
   if _WRITE.value:
