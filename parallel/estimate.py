@@ -256,9 +256,10 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     # float32 gradients, which the backward pass accumulates over every query block.
     attention += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
   if d.context == "allgather":
-    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 again as
-    # the blocks the attention scans (in float32 the blocks are the gathered buffer's own).
-    gathered = 2 if d.compute_bytes < 4 else 1
+    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 also as
+    # the blocks the attention scans and as their gradients cast back for the reduce-scatter (in
+    # float32 those are the gathered buffer's own and the float32 gradients above).
+    gathered = 3 if d.compute_bytes < 4 else 1
     attention += gathered * 2 * d.batch * d.keys * d.kv_heads * d.head_dim * d.compute_bytes
   if d.context == "ring":
     # The ring's backward pass: the visiting K/V block and its float32 gradients, each as sent and as

@@ -16,6 +16,7 @@ from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import init_state, plan
+from training.rejoin import share_state
 from training.survive import Survivor, move_state, shrunk_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +89,35 @@ def test_the_state_moves_onto_the_live_devices_unchanged():
   assert {d.id for leaf in jax.tree.leaves(moved) for d in leaf.sharding.device_set} == set(range(6))
   for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(moved))):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("before, shrunk", [({"mesh.data": 8}, {"data": 6, "grad_accum": 2}),
+                                            ({"mesh.data": 4, "mesh.tensor": 2}, {"data": 3, "grad_accum": 2})])
+def test_a_grown_mesh_gives_the_returning_devices_a_survivors_state(before, shrunk):
+  # 8 devices shrink to 6 (a process lost), then all 8 are live again: the mesh grows back to the run's
+  # own layout, and the 2 returning devices, which hold nothing, get the survivors' state through one
+  # sum over `data` of a holder's copy and zeros.
+  config = tiny_config(**before, batch_size=24)
+  shape = dict(plan(config).mesh.shape)
+  smaller, _ = shrunk_config(config, shape, 6)
+  assert (smaller.mesh.data, smaller.grad_accum) == (shrunk["data"], shrunk["grad_accum"])
+  survivors = plan(smaller, devices=jax.devices()[:6])
+  state = init_state(survivors, seed=1)
+  grown, why = shrunk_config(config, shape, 8)
+  assert why is None and (grown.mesh.data, grown.mesh.tensor, grown.grad_accum) == (
+      config.mesh.data, config.mesh.tensor, config.grad_accum)
+  shared = share_state(state, plan(grown), holders=jax.devices()[:6])
+  for kept, leaf in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(shared)):
+    assert {shard.device.id for shard in leaf.addressable_shards} == set(range(8))
+    for shard in leaf.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), kept[shard.index])
+
+
+def test_a_state_split_over_data_cannot_be_shared_and_says_so():
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
+  layout = plan(config)
+  with pytest.raises(ValueError, match=r"^state leaf .* is split over `data`, so no replica holds all of it"):
+    share_state(layout.abstract_state, layout, holders=())
 
 
 RUN = {"steps": 6, "log_every": 1, "eval_every": 3, "eval_batches": 1, "sample_tokens": 0, "checkpoint.every": 3,

@@ -21,6 +21,7 @@ from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from parallel.redundancy import shard_key, survival_problem
 from training import data
 from training.dry_run import abstract_inputs
+from training.rejoin import share_state
 from training.state import Layout, plan
 from training.step import make_eval_step, make_train_step
 
@@ -95,6 +96,7 @@ class Survivor:
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
     self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
     self._all_devices = list(layout.mesh.devices.flat)
+    self._first = config, dict(layout.mesh.shape)  # what a mesh grown back to every device runs
     self.compiled, self._eval_step = self._compile_steps(layout, config)
 
   def steps(self, state, start: int, stop):
@@ -112,7 +114,8 @@ class Survivor:
             # Relaid out in a block of its own: its closing barrier lines the processes up again
             # before the next step's collectives, whatever each spent compiling.
             relaid = self._relayout(live, step)
-            moved = move_state(state, relaid[0])
+            moved = (move_state(state, relaid[0]) if len(live) < self.layout.mesh.size
+                     else share_state(state, relaid[0], holders=self.layout.mesh.devices.flat))
             new_state = None
           else:
             batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
@@ -144,7 +147,10 @@ class Survivor:
     return {device.process_index for device in self.layout.mesh.devices.flat}
 
   def _relayout(self, live, step: int):
-    smaller, why = shrunk_config(self.config, dict(self.layout.mesh.shape), len(live))
+    """The layout over the live devices: fewer replicas after a loss, and after a rejoin as many as
+    the run's own config fits on them (all of them back: the run's own layout)."""
+    config, shape = self._first if len(live) > self.layout.mesh.size else (self.config, dict(self.layout.mesh.shape))
+    smaller, why = shrunk_config(config, shape, len(live))
     why = survival_problem(self.layout) or why  # a lost shard first: no mesh brings it back
     layout = None
     if why is None:
