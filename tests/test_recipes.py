@@ -1,8 +1,10 @@
 """The committed ablation tables (docs/<recipe>.md, README's recipe blocks) are tools/sweep.py's output at HEAD.
 
-Losses are deterministic on a CPU, so one rerun row must match its committed row
-to the printed digits; tokens/s and wall time vary with the machine and are not
-compared. A missing or stale table fails here; regenerate them all with
+Losses are deterministic on one CPU, but another CPU model rounds float32
+differently (vector width, fused multiply-adds): an AMD EPYC reruns the committed
+4 x 1 row to 2.8231 / 2.7097 where the table reads 2.8233 / 2.7093. So one rerun
+row must match its committed row to 1e-3 (the table's rows differ by 0.39);
+tokens/s and wall time vary with the machine and are not compared. A missing or stale table fails here; regenerate them all with
 REGENERATE (README.md, "Research workflow").
 """
 
@@ -18,6 +20,7 @@ REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=doc
 # The cheapest run of any recipe: 120 steps of 4 x 128 tokens, about 30 s on 2 cores.
 RECIPE, ROW = "batch_vs_accumulation", {"batch_size": 4, "grad_accum": 1}
 LOSSES = ("final train loss", "final val loss")
+LOSS_TOLERANCE = 1e-3  # another CPU model's float32 rounding, not a change in training
 
 
 def table_rows(markdown: str) -> list[dict]:
@@ -50,8 +53,10 @@ def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
   marker = sweep.run_one(sweep.train_command(recipe, fields, tmp_path), tmp_path, recipe.devices)
   assert marker["finished"], (tmp_path / "train.log").read_text()[-2000:]
   rerun = sweep.summarize(tmp_path, marker)
-  assert {k: rerun[k] for k in LOSSES} == {k: rows[0][k] for k in LOSSES}, (
-      f"docs/{RECIPE}.md's {ROW} row no longer reproduces at this commit; regenerate: {REGENERATE}")
+  drift = {k: abs(float(rerun[k]) - float(rows[0][k])) for k in LOSSES}
+  assert max(drift.values()) <= LOSS_TOLERANCE, (
+      f"docs/{RECIPE}.md's {ROW} row no longer reproduces at this commit ({rerun} against {rows[0]}); "
+      f"regenerate: {REGENERATE}")
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -1,6 +1,7 @@
 """fault_tolerance=survive: which layouts outlive a lost process, how the mesh shrinks, and a real
 run on 4 processes that loses two mid-run and still matches an uninterrupted run."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import init_state, plan
+from training import data, survive
 from training.rejoin import share_state
 from training.survive import Survivor, move_state, shrunk_config
 
@@ -111,6 +113,41 @@ def test_a_grown_mesh_gives_the_returning_devices_a_survivors_state(before, shru
     assert {shard.device.id for shard in leaf.addressable_shards} == set(range(8))
     for shard in leaf.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), kept[shard.index])
+
+
+class NeverStop:
+  def requested(self, step, every, devices=None):
+    return False
+
+
+def survived_losses(monkeypatch, live_counts):
+  """Four steps of a Survivor started on 6 devices, whose live devices read `live_counts` block by block
+  (one process stands in for several: the growth and the state sharing are the survivors' real code)."""
+  config = tiny_config(**{"mesh.data": 6, "batch_size": 24, "steps": 4, "eval_every": 0})
+  layout = plan(config, devices=jax.devices()[:6])
+  counts = iter(live_counts)
+
+  @contextlib.contextmanager
+  def live_devices(devices):
+    del devices  # every device of the first mesh; here the live ones are the first few
+    yield jax.devices()[:next(counts)]
+
+  monkeypatch.setattr(survive, "live_devices", live_devices)
+  monkeypatch.setattr(survive, "survival_problem", lambda layout: None)  # one process, standing in for several
+  survivor = Survivor(config, layout, data.open_split(config.data, "train", vocab_size=config.model.vocab_size),
+                      evaluate=None, eval_due=lambda done: False)
+  losses = [float(finished.metrics["loss"]) for finished in survivor.steps(init_state(layout, seed=0), 0, NeverStop())]
+  return losses, survivor
+
+
+def test_survivors_grow_back_when_devices_return_and_train_on_unchanged(monkeypatch):
+  # Two steps on 6 devices, then 8 are live: one block relays out to data=8 and shares the state onto
+  # the 2 returning devices; the last two steps run there. The losses equal a run that stays on 6
+  # (the same global batch; the reduction order changes with the mesh).
+  grown, survivor = survived_losses(monkeypatch, [6, 6, 8, 8, 8])
+  assert survivor.layout.mesh.size == 8 and survivor.config.mesh.data == 8
+  stayed, _ = survived_losses(monkeypatch, [6] * 4)
+  np.testing.assert_allclose(grown, stayed, rtol=1e-5)
 
 
 def test_a_state_split_over_data_cannot_be_shared_and_says_so():

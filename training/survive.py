@@ -131,7 +131,8 @@ class Survivor:
       if new_state is None:
         self.layout, self.config, (self.compiled, self._eval_step) = relaid
         state = moved
-        failed["relayout"] += time.perf_counter() - began
+        if failed:  # a shrink after a loss; a mesh growing back follows no failure
+          failed["relayout"] += time.perf_counter() - began
         continue
       state, step = new_state, step + 1
       failure = None
