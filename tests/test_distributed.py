@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,17 +16,12 @@ from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import plan
+from tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # data=8 over 4 processes runs in tests/test_survive.py, which also loses two of them.
 LAYOUTS = {"data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
 RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def two_process_run(workdir, layout):

@@ -20,6 +20,7 @@ from training.state import init_state, plan
 from training import data, survive
 from training.rejoin import share_state
 from training.survive import Survivor, move_state, shrunk_config
+from tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
@@ -71,8 +72,9 @@ def test_a_lost_process_that_took_state_with_it_ends_the_run_in_a_sentence():
     survivor._relayout(jax.devices()[:6], step=4)
   # Here one process stands in for four: the sentence names why the state cannot be rebuilt.
   assert str(refusal.value) == (
-      "a process was lost before step 5 and the run cannot go on without it: the run has one process, so "
-      "there is no other process to carry on; run the same command again to resume from the last checkpoint.")
+      "a process was lost before step 5 and the run cannot go on over the 6 live devices: the run has one "
+      "process, so there is no other process to carry on; run the same command again to resume from the "
+      "last checkpoint.")
 
 
 def test_a_batch_the_survivors_cannot_split_is_refused_in_a_sentence():
@@ -148,6 +150,75 @@ def test_survivors_grow_back_when_devices_return_and_train_on_unchanged(monkeypa
   assert survivor.layout.mesh.size == 8 and survivor.config.mesh.data == 8
   stayed, _ = survived_losses(monkeypatch, [6] * 4)
   np.testing.assert_allclose(grown, stayed, rtol=1e-5)
+
+
+def test_a_restarted_process_rejoins_on_the_grown_layout_and_trains_on_from_the_sent_state(monkeypatch):
+  # The restarted process's half of a rejoin, in one process standing in for it: it waits in the live
+  # processes' step boundary, lays out over the 8 live devices as they do, holds nothing to send, and
+  # trains on from the step of the state it receives. The transfer is the survivors' share_state,
+  # tested above; here it hands over an uninterrupted run's state after 2 of 4 steps.
+  config = tiny_config(**{"mesh.data": 8, "batch_size": 24, "steps": 4, "eval_every": 0})
+  layout = plan(config)
+  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
+  monkeypatch.setattr(survive, "live_devices", lambda devices: contextlib.nullcontext(jax.devices()))
+  monkeypatch.setattr(survive, "survival_problem", lambda layout: None)  # one process, standing in for several
+  uninterrupted = list(Survivor(config, layout, split, evaluate=None, eval_due=lambda done: False)
+                       .steps(init_state(layout, seed=0), 0, NeverStop()))
+  asked = []
+
+  def sent_by_a_live_replica(state, layout, holders):
+    asked.append(tuple(holders))
+    return uninterrupted[1].state
+
+  monkeypatch.setattr(survive, "share_state", sent_by_a_live_replica)
+  joining = Survivor(config, layout, split, evaluate=None, eval_due=lambda done: False, joining=True)
+  assert joining.compiled is None  # nothing compiled for the layout it will never run
+  state = joining.rejoin(abstract_inputs(layout, config)[0])
+  assert asked == [()] and joining.layout.mesh.size == 8 and joining.config.grad_accum == 1
+  finished = list(joining.steps(state, int(state["step"]), NeverStop()))
+  assert [f.step for f in finished] == [3, 4] and finished[0].rejoined == (0,) and finished[1].rejoined == ()
+  np.testing.assert_array_equal([float(f.metrics["loss"]) for f in finished],
+                                [float(f.metrics["loss"]) for f in uninterrupted[2:]])
+
+
+def test_only_a_process_started_again_finds_the_run_in_progress(tmp_path):
+  # Two processes start together and neither is joining; process 1, SIGKILLed and started again,
+  # finds the mark process 0 set in the coordination service, and on the CPU leaves in one sentence.
+  script = tmp_path / "start.py"
+  script.write_text(
+      "import sys, time\n"
+      "from ml_collections import ConfigDict\n"
+      "from parallel import distributed\n"
+      "from training.rejoin import joining_run, refuse_on_cpu\n"
+      "config = ConfigDict(dict(initialize='yes', coordinator=sys.argv[1], num_processes=2,\n"
+      "                         process_id=int(sys.argv[2]), heartbeat_seconds=5))\n"
+      "distributed.initialize(config, survive=True)\n"
+      "if not joining_run():\n"
+      "  print('starting', flush=True)\n"
+      "  time.sleep(float(sys.argv[3]))\n"
+      "else:\n"
+      "  refuse_on_cpu()\n")
+  coordinator = f"localhost:{free_port()}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+
+  def start(process, seconds):
+    return subprocess.Popen([sys.executable, str(script), coordinator, str(process), str(seconds)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  first, second = start(0, 40), start(1, 600)
+  assert second.stdout.readline().strip() == "starting"
+  second.kill()
+  second.wait()
+  again = start(1, 0)
+  try:
+    assert again.communicate(timeout=60)[1].strip().splitlines()[-1] == (
+        "ValueError: process 1 was started again into a run in progress, but rejoining needs GPUs: on the CPU, "
+        "gloo refuses a restarted process's collectives, so the run carries on without it.")
+    assert first.stdout.readline().strip() == "starting"
+  finally:
+    for process in (first, second, again):
+      process.kill()
+      process.wait()
 
 
 def test_a_state_split_over_data_cannot_be_shared_and_says_so():

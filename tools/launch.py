@@ -8,8 +8,10 @@ Each process gets `--devices` simulated CPU devices and joins the others over lo
 jax.distributed (the same flags SLURM, a TPU pod or Kubernetes would give it). Process 0 prints to
 this console; the others write <workdir>/launch/process<i>.log. `--kill P@step=S` SIGKILLs process P
 once <workdir>/metrics.jsonl shows step S (so log every step). Under fault_tolerance=survive the
-others carry on without it. Otherwise the whole job dies with it, and `--restart-after` starts it
-again that many seconds later, resuming from the last checkpoint. At the end a table gives, for
+others carry on without it, and `--restart-after` starts the killed process again that many seconds
+later, to rejoin the run from a live replica's memory (GPUs only: on the CPU, gloo refuses the
+restarted process; README's checkpointless section says what runs where). Otherwise the whole job
+dies with it, and `--restart-after` starts it again, resuming from the last checkpoint. At the end a table gives, for
 each kill, the steps lost and the seconds from the kill until the run finished a step past the
 last one it had finished before it: the side-by-side figures of README's checkpointless section.
 """
@@ -35,7 +37,8 @@ def parse_args(argv):
   parser.add_argument("--kill", action="append", default=[], metavar="P@step=S",
                       help="SIGKILL process P once step S is logged; may repeat")
   parser.add_argument("--restart-after", type=seconds, default=None, metavar="SECONDS",
-                      help="restart the whole job this long after it died (the checkpoint-restart path)")
+                      help="restart the killed process this long after the kill, to rejoin a surviving run; "
+                           "or the whole job this long after it died (the checkpoint-restart path)")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- train.py and its flags")
   args = parser.parse_args(argv)
   args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -79,16 +82,21 @@ def free_port() -> int:
 
 def start(args, logs: Path) -> list[subprocess.Popen]:
   port = free_port()
+  return [start_one(args, logs, i, port) for i in range(args.processes)]
+
+
+def start_one(args, logs: Path, i: int, port: int) -> subprocess.Popen:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}")
-  processes = []
-  for i in range(args.processes):
-    flags = [f"--config.distributed.coordinator=localhost:{port}",
-             f"--config.distributed.num_processes={args.processes}", f"--config.distributed.process_id={i}"]
-    output = None if i == 0 else open(logs / f"process{i}.log", "w")
-    processes.append(subprocess.Popen([sys.executable, *args.command, *flags], cwd=ROOT, env=env,
-                                      stdout=output, stderr=subprocess.STDOUT if output else None))
-  return processes
+  flags = [f"--config.distributed.coordinator=localhost:{port}",
+           f"--config.distributed.num_processes={args.processes}", f"--config.distributed.process_id={i}"]
+  output = None if i == 0 else open(logs / f"process{i}.log", "a")  # a rejoining process adds to its log
+  return subprocess.Popen([sys.executable, *args.command, *flags], cwd=ROOT, env=env,
+                          stdout=output, stderr=subprocess.STDOUT if output else None)
+
+
+def coordinator_port(process: subprocess.Popen) -> int:
+  return int(next(flag for flag in process.args if "coordinator=" in flag).rsplit(":", 1)[1])
 
 
 def logged_steps(workdir: Path) -> list[int]:
@@ -108,12 +116,16 @@ def main(argv=None) -> int:
   logs.mkdir(parents=True, exist_ok=True)
   processes, kills, results, restarts = start(args, logs), sorted(args.kill, key=lambda k: k[1]), [], 0
   watching = None  # [kill time, last step finished before it, lowest step logged since] until passed
+  killed = {}  # process -> kill time, while the others run on without it
+  rejoins = args.restart_after is not None and "--config.fault_tolerance=survive" in args.command
   while True:
     done = max(logged_steps(workdir), default=0)
     if kills and done >= kills[0][1]:
       victim, _ = kills.pop(0)
       processes[victim].send_signal(signal.SIGKILL)
       watching = [time.perf_counter(), done, done]
+      if rejoins:
+        killed[victim] = time.perf_counter()
       print(f"launch: killed process {victim} after step {done}", flush=True)
     if watching:
       watching[2] = min(watching[2], done)  # a restart drops the records past its checkpoint first
@@ -121,6 +133,11 @@ def main(argv=None) -> int:
         results.append((watching[1], watching[1] - watching[2], time.perf_counter() - watching[0]))
         watching = None
     codes = [p.poll() for p in processes]
+    for victim, when in list(killed.items()):
+      if codes[0] is None and time.perf_counter() - when >= args.restart_after:
+        processes[victim] = start_one(args, logs, victim, coordinator_port(processes[0]))
+        del killed[victim]
+        print(f"launch: restarted process {victim} to rejoin the run", flush=True)
     if codes[0] is not None and all(c is not None for c in codes):
       if codes[0] == 0 or args.restart_after is None or restarts > len(args.kill):
         break

@@ -23,7 +23,9 @@ from training.fingerprint import fingerprints
 class Checkpoints:
   """The checkpoints of one workdir."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int | None):  # keep None: all; >= 1 (validate.py)
+  def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False):
+    """`keep` None keeps all (validate.py asks for >= 1). A process `joining` a run in progress opens
+    the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier."""
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     self._state_bytes = 0  # of the last state saved: what a failed save needed
@@ -31,13 +33,15 @@ class Checkpoints:
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     # A failed save's serialization task, garbage-collected at any later time, even at exit.
     logging.getLogger("asyncio").addFilter(_QUIET_FAILED_SAVES)
-    self._manager = self._open(processes=None)
+    self._manager = None if joining else self._open(processes=None)
 
-  def _open(self, processes: set[int] | None) -> ocp.CheckpointManager:
-    """A manager whose saves line up `processes` (all by default) at orbax's barriers."""
+  def _open(self, processes: set[int] | None, since: int = 0) -> ocp.CheckpointManager:
+    """A manager whose saves line up `processes` (all by default) at orbax's barriers; `since` (the
+    step of the change) keeps their barrier names apart from an earlier manager's over the same processes."""
     multiprocessing = ocp.options.MultiprocessingOptions(
         primary_host=0, active_processes=processes,
-        barrier_sync_key_prefix=None if processes is None else "live-" + "-".join(map(str, sorted(processes))))
+        barrier_sync_key_prefix=None if processes is None else
+        "live-" + "-".join(map(str, sorted(processes))) + f"-since-{since}")
     options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=False, enable_async_checkpointing=True,
                                            multiprocessing_options=multiprocessing)
     return ocp.CheckpointManager(
@@ -45,13 +49,13 @@ class Checkpoints:
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                        "fingerprints": ocp.JsonCheckpointHandler()})
 
-  def narrow_to(self, processes: set[int]) -> None:
-    """Save with `processes` only, after the others were lost (fault_tolerance=survive).
+  def reopen_for(self, processes: set[int], step: int) -> None:
+    """Save with `processes` from `step` on, after some were lost or came back (fault_tolerance=survive).
 
     The old manager is dropped unclosed: closing waits at barriers that the lost processes
     would never reach. Its saves had finished: a failed step is redone before any save.
     """
-    self._manager = self._open(processes)
+    self._manager = self._open(processes, since=step)
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -155,7 +159,8 @@ class Checkpoints:
   def close(self) -> None:
     try:
       with self._reporting_failed_saves():  # closing waits for the last async save, which may fail
-        self._manager.close()
+        if self._manager is not None:  # None: a joining process that never joined
+          self._manager.close()
     finally:
       logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
 

@@ -16,6 +16,7 @@ from training.dry_run import abstract_inputs, compile_train_step, report
 from training.in_flight import StepsInFlight
 from training.preemption import StopRequests
 from training.profiling import StepProfiler, parse_steps
+from training.rejoin import joining_run, refuse_on_cpu
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step
@@ -54,13 +55,21 @@ def train(config, dry_run: bool = False) -> dict:
     _log(text)
     return {"report": text}
 
-  checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep)
+  # A process started again into a surviving run takes its state from a live replica, never from disk.
+  joining = config.fault_tolerance == "survive" and jax.process_count() > 1 and joining_run()
+  if joining:
+    refuse_on_cpu()
+  checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
+                            joining=joining)
   lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
     with StopRequests() as stop, lock:
-      start = _resume_step(checkpoints, config.resume)
-      if start is None and pretrained is not None:
+      start = None if joining else _resume_step(checkpoints, config.resume)
+      if joining:
+        _log("rejoining the run in progress")
+        state = None  # _run receives it from the live processes
+      elif start is None and pretrained is not None:
         _log(f"initialising from {pretrained.describe(layout.model)}")
         state = state_from_params(layout, pretrained.load_params(layout))
       elif start is None:
@@ -68,8 +77,7 @@ def train(config, dry_run: bool = False) -> dict:
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      last = _run(config, layout, state, int(state["step"]), checkpoints, train_split, val_split, stop,
-                  text_tokenizer)
+      last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
@@ -113,7 +121,8 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, layout, state, start, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
+def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
+  """Trains from `state`; None joins a surviving run in progress and trains from its state."""
   seq_len = layout.model.max_len
 
   def evaluate(eval_step, layout, params) -> float:
@@ -123,7 +132,12 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
               for i in range(config.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
-  survivor = _survivor(config, layout, train_split, evaluate) if config.fault_tolerance == "survive" else None
+  survivor = (_survivor(config, layout, train_split, evaluate, joining=state is None)
+              if config.fault_tolerance == "survive" else None)
+  if state is None:
+    state = survivor.rejoin(abstract_inputs(layout, config)[0])
+    layout = survivor.layout
+  start = int(state["step"])
   # Compiled ahead so the first interval's tokens/s leaves compilation out and the program's own memory
   # figure can be logged beside the losses. A survivor evaluates inside its protected block.
   train_step = survivor.compiled if survivor else compile_train_step(layout, config)
@@ -155,9 +169,15 @@ def _run(config, layout, state, start, checkpoints, train_split, val_split, stop
     for finished in steps:
       done, state, pending, failure = finished.step, finished.state, finished.metrics, finished.failure
       bar.update(1)
-      if failure:
+      if failure or finished.rejoined:
         layout = survivor.layout
-        checkpoints.narrow_to({device.process_index for device in layout.mesh.devices.flat})
+        checkpoints.reopen_for({device.process_index for device in layout.mesh.devices.flat}, step=done)
+      if finished.rejoined:
+        writer.write(done, {"live_devices": layout.mesh.size, "rejoin_seconds": finished.rejoin_seconds})
+        _log(f"step {done:6d}  process {', '.join(map(str, finished.rejoined))} rejoined: the step ran on "
+             f"{layout.mesh.size} devices, mesh {dict(layout.mesh.shape)}, grad_accum {survivor.config.grad_accum}, "
+             f"after {finished.rejoin_seconds:.1f} s to lay out again and send the state from a live replica")
+      if failure:
         writer.write(done, {"steps_lost": failure.steps_lost, "recovery_seconds": failure.recovery_seconds,
                             "detect_seconds": failure.detect_seconds, "relayout_seconds": failure.relayout_seconds,
                             "live_devices": failure.live_devices})
@@ -220,7 +240,7 @@ def _steps(train_step, state, batches, profiler, stop, log_every: int):
     yield Finished(done, state, pending, stop=stop.requested(done, log_every))
 
 
-def _survivor(config, layout, train_split, evaluate) -> Survivor | None:
+def _survivor(config, layout, train_split, evaluate, joining: bool) -> Survivor | None:
   """The survive-mode stepper; None, said in one line, where this layout cannot survive a lost process."""
   problem = survival_problem(layout)
   if problem:
@@ -235,7 +255,8 @@ def _survivor(config, layout, train_split, evaluate) -> Survivor | None:
   # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
-  return Survivor(config, layout, train_split, evaluate=evaluate, eval_due=lambda done: _eval_due(config, done))
+  return Survivor(config, layout, train_split, evaluate=evaluate, eval_due=lambda done: _eval_due(config, done),
+                  joining=joining)
 
 
 def _sample(layout, params, config, tokenizer) -> str:

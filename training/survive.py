@@ -6,7 +6,8 @@ shrink `data` to the devices left, rebuild each state leaf from the shards they 
 parallelism keeps a full copy per replica: nothing is read from disk or sent between processes),
 and redo the failed step at the same global batch: batch `s` is a pure function of (seed, s), so
 the lost replica's rows are simply spread over the survivors, with more gradient accumulation
-where a device would otherwise hold more rows than before.
+where a device would otherwise hold more rows than before. A process started again later joins at
+a step boundary: the mesh grows back and the state comes from a live replica (training/rejoin.py).
 """
 
 import dataclasses
@@ -48,6 +49,8 @@ class Finished:
   failure: Failure | None = None  # the lost processes this step was redone without
   stop: bool = False  # the processes agreed to stop here (a signal)
   eval_loss: float | None = None  # computed with the step where it must survive a lost process too
+  rejoined: tuple[int, ...] = ()  # the processes that came back before this step
+  rejoin_seconds: float = 0.0  # the live processes' pause for them: compiling the grown step, sending the state
 
 
 def shrunk_config(config, mesh_shape: dict, live_count: int):
@@ -91,13 +94,33 @@ def move_state(state, layout: Layout):
 class Survivor:
   """Train steps that outlive lost processes; `steps()` yields each finished one."""
 
-  def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None):
+  def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None, joining=False):
+    """`joining`: this process was started again into a run in progress; `rejoin` is its first call."""
     self.config, self.layout, self._split = config, layout, split
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
     self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
     self._all_devices = list(layout.mesh.devices.flat)
     self._first = config, dict(layout.mesh.shape)  # what a mesh grown back to every device runs
-    self.compiled, self._eval_step = self._compile_steps(layout, config)
+    self._rejoined, self._rejoin_seconds = (), 0.0  # processes that came back, told with the next finished step
+    self.compiled, self._eval_step = (None, None) if joining else self._compile_steps(layout, config)
+
+  def rejoin(self, abstract_state) -> dict:
+    """The run's state on the grown mesh, sent from a live replica, on a process started again.
+
+    Waits in the live processes' next step boundary, where they see more live devices than their
+    mesh and grow it (`steps`): the same block, the same layout and the same transfer on both sides.
+    """
+    while True:
+      began = time.perf_counter()
+      try:
+        with live_devices(self._all_devices) as live:
+          relaid = self._relayout(live, grow=True)
+          state = jax.block_until_ready(share_state(abstract_state, relaid[0], holders=()))
+      except ProcessFailureError:
+        continue  # a process lost during the transfer: the live ones lay out again, and so does this one
+      self._rejoined, self._rejoin_seconds = (jax.process_index(),), time.perf_counter() - began
+      self.layout, self.config, (self.compiled, self._eval_step) = relaid
+      return state
 
   def steps(self, state, start: int, stop):
     """Yields each Finished step up to config.steps.
@@ -110,12 +133,13 @@ class Survivor:
       began = time.perf_counter()
       try:
         with live_devices(self._all_devices) as live:
-          if len(live) != self.layout.mesh.size:
+          if set(live) != set(self.layout.mesh.devices.flat):
             # Relaid out in a block of its own: its closing barrier lines the processes up again
             # before the next step's collectives, whatever each spent compiling.
-            relaid = self._relayout(live, step)
-            moved = (move_state(state, relaid[0]) if len(live) < self.layout.mesh.size
-                     else share_state(state, relaid[0], holders=self.layout.mesh.devices.flat))
+            grow = not set(live) <= set(self.layout.mesh.devices.flat)  # a process came back
+            relaid = self._relayout(live, step, grow)
+            moved = jax.block_until_ready(share_state(state, relaid[0], holders=self.layout.mesh.devices.flat)
+                                          if grow else move_state(state, relaid[0]))
             new_state = None
           else:
             batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
@@ -125,10 +149,13 @@ class Survivor:
             eval_loss = (self._evaluate(self._eval_step, self.layout, new_state["params"])
                          if self._eval_due(step + 1) else None)
       except ProcessFailureError:
-        failed = failed or {"began": began, "known": time.perf_counter(), "processes": self._processes(),
-                            "relayout": 0.0}
+        failed = failed or {"began": began, "known": time.perf_counter(),
+                            "processes": self._processes(self.layout), "relayout": 0.0}
         continue
       if new_state is None:
+        if grow:
+          self._rejoined = tuple(sorted(self._processes(relaid[0]) - self._processes(self.layout)))
+          self._rejoin_seconds = time.perf_counter() - began
         self.layout, self.config, (self.compiled, self._eval_step) = relaid
         state = moved
         if failed:  # a shrink after a loss; a mesh growing back follows no failure
@@ -137,20 +164,25 @@ class Survivor:
       state, step = new_state, step + 1
       failure = None
       if failed:
-        failure = Failure(step=step, lost_processes=tuple(sorted(failed["processes"] - self._processes())),
+        lost = tuple(sorted(failed["processes"] - self._processes(self.layout)))
+        failure = Failure(step=step, lost_processes=lost,
                           live_devices=self.layout.mesh.size, grad_accum=self.config.grad_accum,
                           recovery_seconds=time.perf_counter() - failed["began"],
                           detect_seconds=failed["known"] - failed["began"], relayout_seconds=failed["relayout"])
         failed = None
-      yield Finished(step, state, metrics, failure, stopping, eval_loss)
+      rejoined, self._rejoined = self._rejoined, ()
+      yield Finished(step, state, metrics, failure, stopping, eval_loss, rejoined, self._rejoin_seconds)
+      self._rejoin_seconds = 0.0
 
-  def _processes(self) -> set[int]:
-    return {device.process_index for device in self.layout.mesh.devices.flat}
+  @staticmethod
+  def _processes(layout: Layout) -> set[int]:
+    return {device.process_index for device in layout.mesh.devices.flat}
 
-  def _relayout(self, live, step: int):
+  def _relayout(self, live, step: int | None = None, grow: bool = False):
     """The layout over the live devices: fewer replicas after a loss, and after a rejoin as many as
-    the run's own config fits on them (all of them back: the run's own layout)."""
-    config, shape = self._first if len(live) > self.layout.mesh.size else (self.config, dict(self.layout.mesh.shape))
+    the run's own config fits on them (all of them back: the run's own layout). `step`, the steps
+    done, names the failed one in a refusal; a rejoining process does not know it yet."""
+    config, shape = self._first if grow else (self.config, dict(self.layout.mesh.shape))
     smaller, why = shrunk_config(config, shape, len(live))
     why = survival_problem(self.layout) or why  # a lost shard first: no mesh brings it back
     layout = None
@@ -160,8 +192,9 @@ class Survivor:
       except ValueError as refusal:  # the model does not divide over the smaller mesh
         why = str(refusal).rstrip(".")
     if layout is None:
-      raise ValueError(f"a process was lost before step {step + 1} and the run cannot go on without it: "
-                       f"{why}; run the same command again to resume from the last checkpoint.")
+      event = "a process came back" if grow else f"a process was lost before step {step + 1}"
+      raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; run the "
+                       "same command again to resume from the last checkpoint.")
     return layout, smaller, self._compile_steps(layout, smaller)
 
 
