@@ -119,6 +119,19 @@ def test_readme_longest_context_table_is_what_the_tool_prints_at_this_commit():
   assert block.startswith(printed), "README's longest-context table is stale: run tools/longest_context.py --write"
 
 
+def test_longest_context_compile_check_prints_xla_peaks_near_the_estimate():
+  # The code path of `tools/longest_context.py --compile`, on the tiny Llama at the length 50 MB allows
+  # on one device (three strategies, one program: one device has no sequence axis to differ over).
+  root = Path(__file__).resolve().parent.parent
+  printed = subprocess.run([sys.executable, "tools/longest_context.py", "--config=configs/llama.py:tiny", "--compile",
+                            "--memory_gb=0.05", "--devices=1", "--mlp_chunk=0"], cwd=root, capture_output=True,
+                           text=True, check=True, timeout=240).stdout
+  rows = [line.split(" | ") for line in printed.splitlines()[2:]]
+  assert [row[1] for row in rows] == ["allgather", "ring", "ulysses"]
+  for row in rows:
+    assert row[4] == "1,024" and 0.9 <= float(row[-1].rstrip(" |")) <= 1.1, row
+
+
 def test_textbook_gpt2_1558m_on_one_device():
   # MLSysBook ch. 18: 1.5B fp32 parameters need about 6 GB each for params, grads, m and v.
   config = get_config("1558m")

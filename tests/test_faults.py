@@ -203,18 +203,6 @@ def test_keep_below_one_is_refused_before_anything_is_written(tmp_path):
   assert snapshot(tmp_path) == before
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_compile_cache(tmp_path_factory):
-  """The runs started below load what the first one compiled from JAX's persistent cache (set up
-  through the environment they inherit; this process's JAX read it at import): what they test is
-  restarting, and a restart spends most of its time compiling on a busy CPU."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    yield
-
-
 def start_train(workdir, *flags):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
              "--xla_backend_optimization_level=0")

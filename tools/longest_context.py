@@ -83,6 +83,16 @@ def cell(config, devices: int, memory_bytes: int, weights) -> str:
   return f"{length:,}" + (f" ({host / 1e9:.0f} GB host)" if host else "")
 
 
+def rows(config, remats):
+  """Each (memory GB, strategy, remat, mlp_chunk) of the table in order, set on `config` as it is yielded."""
+  for memory_gb in map(float, _MEMORY.value):
+    for strategy in STRATEGIES:
+      for remat in remats:
+        for mlp_chunk in map(int, _MLP_CHUNK.value):
+          config.attention.context, config.model.remat, config.model.mlp_chunk = strategy, remat, mlp_chunk
+          yield memory_gb, strategy, remat, mlp_chunk
+
+
 def table(config) -> str:
   config.batch_size, config.grad_accum = 1, 1
   weights = model_weights(config)  # the parameters do not depend on the length (rotary positions)
@@ -93,14 +103,10 @@ def table(config) -> str:
            "| memory per device | strategy | remat | mlp_chunk | "
            + " | ".join(f"{d} device{'s' * (d > 1)}" for d in devices) + " |",
            "|---" * (4 + len(devices)) + "|"]
-  for memory_gb in map(float, _MEMORY.value):
-    for strategy in STRATEGIES:
-      for remat in _REMAT.value:
-        for mlp_chunk in map(int, _MLP_CHUNK.value):
-          config.attention.context, config.model.remat, config.model.mlp_chunk = strategy, remat, mlp_chunk
-          cells = [cell(config, d, int(memory_gb * 1e9), weights) if usable(config, strategy, d)
-                   else "n/a" for d in devices]
-          lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | {mlp_chunk or 'off'} | " + " | ".join(cells) + " |")
+  for memory_gb, strategy, remat, mlp_chunk in rows(config, _REMAT.value):
+    cells = [cell(config, d, int(memory_gb * 1e9), weights) if usable(config, strategy, d)
+             else "n/a" for d in devices]
+    lines.append(f"| {memory_gb:g} GB | {strategy} | {remat} | {mlp_chunk or 'off'} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -108,24 +114,20 @@ def print_compiled_peaks(config) -> None:
   """Each `full` remat cell compiled at its longest length: estimated and XLA's peak bytes per device,
   printed row by row (each compile takes a while)."""
   config.batch_size, config.grad_accum, config.data.source = 1, 1, "synthetic"
-  config.model.remat = "full"
   weights = model_weights(config)
   print("| memory per device | strategy | mlp_chunk | devices | length | estimate GB | compiled GB | compiled / estimate |")
   print("|---" * 8 + "|", flush=True)
-  for memory_gb in map(float, _MEMORY.value):
-    for strategy in STRATEGIES:
-      for mlp_chunk in map(int, _MLP_CHUNK.value):
-        config.attention.context, config.model.mlp_chunk = strategy, mlp_chunk
-        for devices in (int(d) for d in _DEVICES.value):
-          if devices > jax.device_count() or not usable(config, strategy, devices):
-            continue
-          config.model.max_len = longest(config, devices, int(memory_gb * 1e9), weights)
-          config.mesh.data, config.mesh.sequence = 1, devices
-          guess = sum(estimate.memory(config, sequence_mesh(devices), weights).values())
-          layout = plan(config, jax.devices()[:devices])
-          peak = analysis.memory_summary(compile_train_step(layout, config))["peak_bytes"]
-          print(f"| {memory_gb:g} GB | {strategy} | {mlp_chunk or 'off'} | {devices} | {config.model.max_len:,} | "
-                f"{guess / 1e9:.1f} | {peak / 1e9:.1f} | {peak / guess:.2f} |", flush=True)
+  for memory_gb, strategy, _, mlp_chunk in rows(config, ["full"]):
+    for devices in (int(d) for d in _DEVICES.value):
+      if devices > jax.device_count() or not usable(config, strategy, devices):
+        continue
+      config.model.max_len = longest(config, devices, int(memory_gb * 1e9), weights)
+      config.mesh.data, config.mesh.sequence = 1, devices
+      guess = sum(estimate.memory(config, sequence_mesh(devices), weights).values())
+      layout = plan(config, jax.devices()[:devices])
+      peak = analysis.memory_summary(compile_train_step(layout, config))["peak_bytes"]
+      print(f"| {memory_gb:g} GB | {strategy} | {mlp_chunk or 'off'} | {devices} | {config.model.max_len:,} | "
+            f"{guess / 1e9:.1f} | {peak / 1e9:.1f} | {peak / guess:.2f} |", flush=True)
 
 
 def main(argv):
