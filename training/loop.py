@@ -66,8 +66,7 @@ def train(config, dry_run: bool = False) -> dict:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
     with StopRequests() as stop, lock:
       start = None if joining else _resume_step(checkpoints, config.resume)
-      if joining:
-        _log("rejoining the run in progress")
+      if joining:  # never process 0, which hosts the coordination service: process 0 logs the rejoin
         state = None  # _run receives it from the live processes
       elif start is None and pretrained is not None:
         _log(f"initialising from {pretrained.describe(layout.model)}")
