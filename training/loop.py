@@ -20,7 +20,7 @@ from training.rejoin import joining_run, refuse_on_cpu
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite, make_eval_step
-from training.survive import Finished, Survivor, leave_together
+from training.survive import Finished, Survivor, leave_together, processes_of
 from training.tokenizer import run_tokenizer
 from training.validate import check_run
 from training.workdir_lock import WorkdirLock
@@ -55,8 +55,9 @@ def train(config, dry_run: bool = False) -> dict:
     _log(text)
     return {"report": text}
 
+  surviving = config.fault_tolerance == "survive" and _protects(config, layout)
   # A process started again into a surviving run takes its state from a live replica, never from disk.
-  joining = config.fault_tolerance == "survive" and jax.process_count() > 1 and joining_run()
+  joining = surviving and joining_run()
   if joining:
     refuse_on_cpu()
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
@@ -76,7 +77,7 @@ def train(config, dry_run: bool = False) -> dict:
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer)
+      last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
@@ -120,7 +121,7 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer) -> dict:
+def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving) -> dict:
   """Trains from `state`; None joins a surviving run in progress and trains from its state."""
   seq_len = layout.model.max_len
 
@@ -131,8 +132,7 @@ def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_
               for i in range(config.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
-  survivor = (_survivor(config, layout, train_split, evaluate, joining=state is None)
-              if config.fault_tolerance == "survive" else None)
+  survivor = _survivor(config, layout, train_split, evaluate, joining=state is None) if surviving else None
   if state is None:
     state = survivor.rejoin(abstract_inputs(layout, config)[0])
     layout = survivor.layout
@@ -170,7 +170,7 @@ def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_
       bar.update(1)
       if failure or finished.rejoined:
         layout = survivor.layout
-        checkpoints.reopen_for({device.process_index for device in layout.mesh.devices.flat}, step=done)
+        checkpoints.reopen_for(processes_of(layout), step=done)
       if finished.rejoined:
         writer.write(done, {"live_devices": layout.mesh.size, "rejoin_seconds": finished.rejoin_seconds})
         _log(f"step {done:6d}  process {', '.join(map(str, finished.rejoined))} rejoined: the step ran on "
@@ -239,18 +239,23 @@ def _steps(train_step, state, batches, profiler, stop, log_every: int):
     yield Finished(done, state, pending, stop=stop.requested(done, log_every))
 
 
-def _survivor(config, layout, train_split, evaluate, joining: bool) -> Survivor | None:
-  """The survive-mode stepper; None, said in one line, where this layout cannot survive a lost process."""
+def _protects(config, layout) -> bool:
+  """Whether fault_tolerance=survive can protect this run from a lost process; where not, says why in one line."""
   problem = survival_problem(layout)
   if problem:
     _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
          "run, and the same command resumes it from the last checkpoint.")
-    return None
+    return False
   if config.sharding.fsdp_group:
     _log("fault_tolerance=survive: hybrid sharding keeps each shard on two processes, but shrinking the mesh "
          "to the replica groups a lost process leaves whole is not built; a lost process will end the run, and "
          "the same command resumes it from the last checkpoint.")
-    return None
+    return False
+  return True
+
+
+def _survivor(config, layout, train_split, evaluate, joining: bool) -> Survivor:
+  """The survive-mode stepper, for a run `_protects` accepted."""
   # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))

@@ -150,11 +150,11 @@ class Survivor:
                          if self._eval_due(step + 1) else None)
       except ProcessFailureError:
         failed = failed or {"began": began, "known": time.perf_counter(),
-                            "processes": self._processes(self.layout), "relayout": 0.0}
+                            "processes": processes_of(self.layout), "relayout": 0.0}
         continue
       if new_state is None:
         if grow:
-          self._rejoined = tuple(sorted(self._processes(relaid[0]) - self._processes(self.layout)))
+          self._rejoined = tuple(sorted(processes_of(relaid[0]) - processes_of(self.layout)))
           self._rejoin_seconds = time.perf_counter() - began
         self.layout, self.config, (self.compiled, self._eval_step) = relaid
         state = moved
@@ -164,7 +164,7 @@ class Survivor:
       state, step = new_state, step + 1
       failure = None
       if failed:
-        lost = tuple(sorted(failed["processes"] - self._processes(self.layout)))
+        lost = tuple(sorted(failed["processes"] - processes_of(self.layout)))
         failure = Failure(step=step, lost_processes=lost,
                           live_devices=self.layout.mesh.size, grad_accum=self.config.grad_accum,
                           recovery_seconds=time.perf_counter() - failed["began"],
@@ -173,10 +173,6 @@ class Survivor:
       rejoined, self._rejoined = self._rejoined, ()
       yield Finished(step, state, metrics, failure, stopping, eval_loss, rejoined, self._rejoin_seconds)
       self._rejoin_seconds = 0.0
-
-  @staticmethod
-  def _processes(layout: Layout) -> set[int]:
-    return {device.process_index for device in layout.mesh.devices.flat}
 
   def _relayout(self, live, step: int | None = None, grow: bool = False):
     """The layout over the live devices: fewer replicas after a loss, and after a rejoin as many as
@@ -196,6 +192,10 @@ class Survivor:
       raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; run the "
                        "same command again to resume from the last checkpoint.")
     return layout, smaller, self._compile_steps(layout, smaller)
+
+
+def processes_of(layout: Layout) -> set[int]:
+  return {device.process_index for device in layout.mesh.devices.flat}
 
 
 def compiled_steps(layout: Layout, config):
