@@ -9,7 +9,7 @@ from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
 from model.sharding_hooks import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, feed_forward, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
 
 
 class Block(nnx.Module):
@@ -47,7 +47,7 @@ class GPT2(LanguageModel):
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     positions_T = jax.numpy.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    x_BTD = self.embed.tokens[...][tokens_BT] + self.embed.positions[...][positions_T]
+    x_BTD = embedding_rows(self.embed.tokens[...], tokens_BT) + self.embed.positions[...][positions_T]
     return constrain(x_BTD.astype(self.cfg.dtype), ACTIVATION_AXES)
 
   def logits(self, x_BTD):

@@ -9,7 +9,7 @@ from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param, vocab_param
 from model.moe import MoE
 from model.sharding_hooks import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, feed_forward, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
 
 
 class RMSNorm(nnx.Module):
@@ -105,7 +105,7 @@ class Llama(LanguageModel):
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     del positions_T  # rotary embeddings apply them inside attention
-    return constrain(self.embed[...][tokens_BT].astype(self.cfg.dtype), ACTIVATION_AXES)
+    return constrain(embedding_rows(self.embed[...], tokens_BT).astype(self.cfg.dtype), ACTIVATION_AXES)
 
   def logits(self, x_BTD):
     x_BTD = self.norm_final(x_BTD)

@@ -87,6 +87,13 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
       x_BTD, blocks, positions_T, segments_BT)
 
 
+def embedding_rows(table_VD, tokens_BT):
+  """The table's rows for each token, with its `embed` axis gathered first, as ZeRO-3 gathers every
+  weight before use. Left sharded, XLA's gather partitioner aborts the process on some hybrid
+  meshes (data=3 x expert=2: "Could not slice dimension 0 with size 3")."""
+  return constrain(table_VD, ("vocab", None))[tokens_BT]
+
+
 def masked_vocab(logits_BTV, cfg: ModelConfig):
   """Float32 logits in which the vocabulary's padding can never be predicted."""
   logits_BTV = constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))

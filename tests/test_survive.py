@@ -1,5 +1,5 @@
 """fault_tolerance=survive: which layouts outlive a lost process, how the mesh shrinks, and a real
-run on 4 processes that loses two mid-run and still matches an uninterrupted run."""
+run on 4 processes (hybrid sharding) that loses two mid-run and still matches an uninterrupted run."""
 
 import contextlib
 import json
@@ -18,8 +18,8 @@ from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import init_state, plan
 from training import data, survive
-from training.rejoin import share_state
-from training.survive import Survivor, move_state, shrunk_config
+from training.state_transfer import local_move_suffices, move_state, relocate, share_state
+from training.survive import Survivor, shrunk_config
 from tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +93,34 @@ def test_the_state_moves_onto_the_live_devices_unchanged():
   assert {d.id for leaf in jax.tree.leaves(moved) for d in leaf.sharding.device_set} == set(range(6))
   for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(moved))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_hybrid_sharding_regroups_over_the_live_devices_and_back_with_its_values():
+  # data=8 in groups of 4 (2 replicas of 4-way ZeRO-3), 6 devices left: groups of 4 no longer fit, so
+  # the run goes on as 3 replicas in groups of 2, each shard sent from a live copy, and grows back.
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4, "batch_size": 24})
+  before = plan(config)
+  smaller, why = shrunk_config(config, dict(before.mesh.shape), 6)
+  assert why is None and (smaller.mesh.data, smaller.mesh.expert, smaller.sharding.fsdp_group,
+                          smaller.grad_accum) == (6, 1, 2, 2)
+  after = plan(smaller, devices=jax.devices()[:6])
+  assert dict(after.mesh.shape)["expert"] == 2 and not local_move_suffices(before, after, TWO_PER_PROCESS)
+  state = init_state(before, seed=0)
+  expected = jax.tree.leaves(jax.device_get(state))
+  regrouped = relocate(state, before, after)
+  grown = relocate(regrouped, after, before)
+  for moved, shardings in ((regrouped, after.state_shardings), (grown, before.state_shardings)):
+    for leaf, sharding, value in zip(jax.tree.leaves(moved), jax.tree.leaves(shardings), expected):
+      assert leaf.sharding == sharding
+      np.testing.assert_array_equal(jax.device_get(leaf), value)
+
+
+def test_plain_data_parallelism_shrinks_without_sending_anything_and_grows_back_by_sending():
+  config = tiny_config(**{"mesh.data": 8, "batch_size": 24})
+  smaller, _ = shrunk_config(config, dict(plan(config).mesh.shape), 6)
+  whole, shrunk = plan(config), plan(smaller, devices=jax.devices()[:6])
+  assert local_move_suffices(whole, shrunk, TWO_PER_PROCESS)
+  assert not local_move_suffices(shrunk, whole, TWO_PER_PROCESS)  # the returning process holds nothing
 
 
 @pytest.mark.parametrize("before, shrunk", [({"mesh.data": 8}, {"data": 6, "grad_accum": 2}),
@@ -221,11 +249,11 @@ def test_only_a_process_started_again_finds_the_run_in_progress(tmp_path):
       process.wait()
 
 
-def test_a_state_split_over_data_cannot_be_shared_and_says_so():
-  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
-  layout = plan(config)
-  with pytest.raises(ValueError, match=r"^state leaf .* is split over `data`, so no replica holds all of it"):
-    share_state(layout.abstract_state, layout, holders=())
+def test_a_shard_no_live_device_holds_is_refused_in_a_sentence():
+  # ZeRO-3 over all 8 devices, 2 of them lost: their shards have no other copy.
+  layout = plan(tiny_config(**{"mesh.data": 8, "sharding.zero": 3}))
+  with pytest.raises(ValueError, match=r"^a shard of a state leaf of shape .* has no copy on the live devices"):
+    share_state(init_state(layout, seed=0), layout, holders=jax.devices()[:6])
 
 
 RUN = {"steps": 6, "log_every": 1, "eval_every": 3, "eval_batches": 1, "sample_tokens": 0, "checkpoint.every": 3,
@@ -255,8 +283,12 @@ def final_params(workdir, config):
 
 
 def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
+  # Hybrid sharding, 2 replicas of 4-way ZeRO-3, which takes both ways of rebuilding the state: after
+  # the first loss the groups shrink to 2 devices and each shard is sent from a live copy across
+  # processes; after the second each process holds a whole copy and moves it onto its own devices,
+  # as plain data parallelism always does.
   output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=2", "--kill=3@step=4",
-                  fault_tolerance="survive")
+                  fault_tolerance="survive", **{"sharding.zero": 3, "sharding.fsdp_group": 4})
   config = tiny_config(**{**RUN, "workdir": str(tmp_path / "whole")})
   train(config)
   survived, whole = records(tmp_path / "survived"), records(tmp_path / "whole")
@@ -264,7 +296,8 @@ def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
   assert [(r["steps_lost"], r["live_devices"]) for r in failures] == [(0, 6), (0, 4)]
   assert output.count(": 0 steps lost") == 2 and "resuming" not in output  # no checkpoint was read
   losses = [r["loss"] for r in survived if "loss" in r]
-  # Float32 noise from the reduction order: 8 devices, then 6 with 2 micro-batches, then 4 with 6.
+  # Against plain data parallelism, float32 noise from the reduction order: 8 devices in groups of 4,
+  # then 6 in groups of 2 with 2 micro-batches, then 4 with 6.
   np.testing.assert_allclose(losses, [r["loss"] for r in whole if "loss" in r], rtol=1e-5)
   # Evaluation runs inside the protected block too, on whichever mesh is live at the time.
   evals = lambda rs: [(r["step"], r["eval_loss"]) for r in rs if "eval_loss" in r]

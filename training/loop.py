@@ -246,11 +246,6 @@ def _protects(config, layout) -> bool:
     _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
          "run, and the same command resumes it from the last checkpoint.")
     return False
-  if config.sharding.fsdp_group:
-    _log("fault_tolerance=survive: hybrid sharding keeps each shard on two processes, but shrinking the mesh "
-         "to the replica groups a lost process leaves whole is not built; a lost process will end the run, and "
-         "the same command resumes it from the last checkpoint.")
-    return False
   return True
 
 

@@ -2,9 +2,10 @@
 
 Each step runs inside `jax.live_devices` (JAX's fault-tolerant multi-controller mode): the block
 either succeeds on every live process or raises on every one. When a process is lost, the others
-shrink `data` to the devices left, rebuild each state leaf from the shards they already hold (data
-parallelism keeps a full copy per replica: nothing is read from disk or sent between processes),
-and redo the failed step at the same global batch: batch `s` is a pure function of (seed, s), so
+shrink `data` to the devices left, rebuild each state leaf from the copies they hold (data
+parallelism keeps a full copy per replica, so nothing is sent between processes; hybrid sharding
+regroups into groups that divide the live devices and sends each shard from a live copy;
+training/state_transfer.py), nothing read from disk, and redo the failed step at the same global batch: batch `s` is a pure function of (seed, s), so
 the lost replica's rows are simply spread over the survivors, with more gradient accumulation
 where a device would otherwise hold more rows than before. A process started again later joins at
 a step boundary: the mesh grows back and the state comes from a live replica (training/rejoin.py).
@@ -19,10 +20,10 @@ from jax._src import distributed as jax_distributed
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
-from parallel.redundancy import shard_key, survival_problem
+from parallel.redundancy import survival_problem
 from training import data
 from training.dry_run import abstract_inputs
-from training.rejoin import share_state
+from training.state_transfer import relocate, share_state
 from training.state import Layout, plan
 from training.step import make_eval_step, make_train_step
 
@@ -56,14 +57,19 @@ class Finished:
 def shrunk_config(config, mesh_shape: dict, live_count: int):
   """`config` for `live_count` devices: fewer data-parallel replicas, the same global batch.
 
+  Under hybrid sharding (sharding.fsdp_group=G) the batch splits over the data devices of every
+  group, and the groups become the largest that divide both G and the data devices left: each
+  device then holds G/group times its former share of the sharded state.
   Returns (config, None), or (None, why not) in one sentence.
   """
-  others = math.prod(size for axis, size in mesh_shape.items() if axis != DATA)
+  group = config.sharding.fsdp_group
+  batch_axes = (DATA, EXPERT) if group else (DATA,)  # hybrid sharding runs its groups on `expert`
+  others = math.prod(size for axis, size in mesh_shape.items() if axis not in batch_axes)
   if live_count % others:
     return None, (f"{live_count} live devices do not divide into the other mesh axes "
                   f"({others} devices per data-parallel replica)")
   replicas = live_count // others
-  shards = replicas * mesh_shape[EXPERT]  # the batch splits over data and expert
+  shards = replicas if group else replicas * mesh_shape[EXPERT]  # the batch splits over data and expert
   pipeline_micro = config.pipeline.microbatches if mesh_shape[PIPELINE] > 1 else 1
   before = config.batch_size // (config.grad_accum * pipeline_micro * mesh_shape[DATA] * mesh_shape[EXPERT])
   # The fewest micro-batches (a multiple of today's) that keep each device's rows within what it held.
@@ -72,23 +78,13 @@ def shrunk_config(config, mesh_shape: dict, live_count: int):
     if not left and rows <= before:
       smaller = config.copy_and_resolve_references()
       for axis in AXES:
-        smaller.mesh[axis] = replicas if axis == DATA else mesh_shape[axis]
+        smaller.mesh[axis] = replicas if axis == DATA else 1 if group and axis == EXPERT else mesh_shape[axis]
+      if group:
+        smaller.sharding.fsdp_group = math.gcd(group, replicas)
       smaller.grad_accum = grad_accum
       return smaller, None
   return None, (f"batch_size={config.batch_size} does not split evenly over {replicas} data-parallel "
                 f"replicas with at most {before} rows per device")
-
-
-def move_state(state, layout: Layout):
-  """`state` laid out on `layout`'s mesh, built from the shards this process already holds."""
-
-  def move(leaf, sharding):
-    held = {shard_key(shard.index, leaf.shape): shard.data for shard in leaf.addressable_shards}
-    wanted = sharding.addressable_devices_indices_map(leaf.shape)
-    pieces = [jax.device_put(held[shard_key(index, leaf.shape)], device) for device, index in wanted.items()]
-    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
-
-  return jax.tree.map(move, state, layout.state_shardings)
 
 
 class Survivor:
@@ -138,8 +134,7 @@ class Survivor:
             # before the next step's collectives, whatever each spent compiling.
             grow = not set(live) <= set(self.layout.mesh.devices.flat)  # a process came back
             relaid = self._relayout(live, step, grow)
-            moved = jax.block_until_ready(share_state(state, relaid[0], holders=self.layout.mesh.devices.flat)
-                                          if grow else move_state(state, relaid[0]))
+            moved = jax.block_until_ready(relocate(state, self.layout, relaid[0]))
             new_state = None
           else:
             batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,

@@ -1,0 +1,104 @@
+"""The run's state laid out on another mesh over the live devices (fault_tolerance=survive), exactly.
+
+Where every process already holds the shards its devices need on the new mesh (a data-parallel
+shrink keeps whole replicas), the state moves device to device inside each process, with no
+communication (`move_state`). Otherwise (a restarted process holds nothing; hybrid sharding
+regroups its shards into smaller groups) one program per leaf runs over the new mesh: one live
+copy of each shard goes in, placed in a zero leaf, zeros everywhere else, and a sum over every
+device hands each the whole leaf, from which it keeps its new shard (`share_state`). A sum of one
+copy and zeros is the copy itself, so the values arrive unchanged (a -0.0 reads back as 0.0).
+The whole leaf passes through each device once, one leaf at a time: a recovery costs the largest
+leaf twice over in transient memory, never the whole state.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from parallel.redundancy import shard_key
+from training.state import Layout
+
+_ALL = "all"  # the one axis of the mesh the shares are summed over
+
+
+def relocate(state, before: Layout, after: Layout) -> dict:
+  """`state`, laid out on `before`'s mesh, on `after`'s; the same call on every live process."""
+  if local_move_suffices(before, after):
+    return move_state(state, after)
+  return share_state(state, after, holders=before.mesh.devices.flat)
+
+
+def local_move_suffices(before: Layout, after: Layout, process_of=lambda device: device.process_index) -> bool:
+  """Whether each device of `after` finds its shard of every leaf on its own process under `before`.
+
+  Decided from the shardings alone, so every process reaches the same answer. `process_of` maps a
+  device to the process that hosts it (tests pretend several processes).
+  """
+  for old, new, leaf in zip(jax.tree.leaves(before.state_shardings), jax.tree.leaves(after.state_shardings),
+                            jax.tree.leaves(after.abstract_state)):
+    shape = tuple(leaf.shape)
+    held: dict[int, set] = {}
+    for device, index in old.devices_indices_map(shape).items():
+      held.setdefault(process_of(device), set()).add(shard_key(index, shape))
+    if any(shard_key(index, shape) not in held.get(process_of(device), ())
+           for device, index in new.devices_indices_map(shape).items()):
+      return False
+  return True
+
+
+def move_state(state, layout: Layout) -> dict:
+  """`state` laid out on `layout`'s mesh, built from the shards this process already holds."""
+
+  def move(leaf, sharding):
+    held = {shard_key(shard.index, leaf.shape): shard.data for shard in leaf.addressable_shards}
+    wanted = sharding.addressable_devices_indices_map(leaf.shape)
+    pieces = [jax.device_put(held[shard_key(index, leaf.shape)], device) for device, index in wanted.items()]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+
+  return jax.tree.map(move, state, layout.state_shardings)
+
+
+def share_state(state, layout: Layout, holders) -> dict:
+  """`state` on `layout`'s mesh, where only the devices in `holders` hold it.
+
+  `state` is this process's state on its old mesh or, on a process that holds none, its abstract
+  shapes. Each shard is taken from the first holder (by device id) that is on the new mesh.
+  """
+  devices = list(layout.mesh.devices.flat)
+  sources = sorted(set(holders) & set(devices), key=lambda device: device.id)
+  line = Mesh(np.asarray(devices), (_ALL,))
+  summed = jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line,
+                                 in_specs=P(_ALL), out_specs=P()))
+
+  def share(leaf, sharding):
+    shape = tuple(leaf.shape)
+    held = {shard.device: shard for shard in getattr(leaf, "addressable_shards", ())}
+    first_holder = {}
+    if held:  # a process that holds nothing sends only zeros, and need not know who sends what
+      for device, index in leaf.sharding.devices_indices_map(shape).items():
+        if device in sources:
+          key = shard_key(index, shape)
+          first_holder[key] = min(first_holder.get(key, device), device, key=lambda d: d.id)
+      missing = {shard_key(index, shape) for index in leaf.sharding.devices_indices_map(shape).values()}
+      if missing - first_holder.keys():
+        raise ValueError(f"a shard of a state leaf of shape {shape} has no copy on the live devices, "
+                         "so the state cannot be rebuilt; resume from the last checkpoint.")
+
+    def put_in(device):
+      shard = held.get(device)
+      zero = jnp.zeros((1, *shape), leaf.dtype, device=device)
+      if shard is None or first_holder.get(shard_key(shard.index, shape)) != device:
+        return zero
+      return zero.at[(0, *shard.index)].set(shard.data)
+
+    shares = jax.make_array_from_single_device_arrays(
+        (len(devices), *shape), NamedSharding(line, P(_ALL)),
+        [put_in(device) for device in line.local_devices])
+    whole = {shard.device: shard.data for shard in summed(shares).addressable_shards}
+    wanted = sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [whole[device][index] for device, index in wanted.items()])
+
+  return jax.tree.map(share, state, layout.state_shardings)
