@@ -25,6 +25,8 @@ class ModelConfig:
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
+  # plan() sets it under hybrid sharding: look tokens up in the table with its `embed` axis gathered
+  gathered_lookup: bool = False
   document_end: int = -1  # the token ending each packed document (attention stops there); -1: no packing
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads

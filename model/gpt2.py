@@ -47,7 +47,7 @@ class GPT2(LanguageModel):
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     positions_T = jax.numpy.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    x_BTD = embedding_rows(self.embed.tokens[...], tokens_BT) + self.embed.positions[...][positions_T]
+    x_BTD = embedding_rows(self.embed.tokens[...], tokens_BT, self.cfg) + self.embed.positions[...][positions_T]
     return constrain(x_BTD.astype(self.cfg.dtype), ACTIVATION_AXES)
 
   def logits(self, x_BTD):

@@ -105,7 +105,7 @@ class Llama(LanguageModel):
 
   def embed_tokens(self, tokens_BT, positions_T=None):
     del positions_T  # rotary embeddings apply them inside attention
-    return constrain(embedding_rows(self.embed[...], tokens_BT).astype(self.cfg.dtype), ACTIVATION_AXES)
+    return constrain(embedding_rows(self.embed[...], tokens_BT, self.cfg).astype(self.cfg.dtype), ACTIVATION_AXES)
 
   def logits(self, x_BTD):
     x_BTD = self.norm_final(x_BTD)

@@ -87,11 +87,18 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
       x_BTD, blocks, positions_T, segments_BT)
 
 
-def embedding_rows(table_VD, tokens_BT):
-  """The table's rows for each token, with its `embed` axis gathered first, as ZeRO-3 gathers every
-  weight before use. Left sharded, XLA's gather partitioner aborts the process on some hybrid
-  meshes (data=3 x expert=2: "Could not slice dimension 0 with size 3")."""
-  return constrain(table_VD, ("vocab", None))[tokens_BT]
+def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
+  """The table's rows for each token.
+
+  Under hybrid sharding (cfg.gathered_lookup) from a copy of the table with its `embed` axis gathered,
+  as ZeRO-3 gathers any weight before use: with it left sharded over the ZeRO groups, XLA's gather
+  partitioner aborts the process on some meshes (data=3 x expert=2: "Could not slice dimension 0 with
+  size 3"). It costs the table's gradient an all-reduce over the group where a reduce-scatter would
+  do, which is why plain ZeRO-3 keeps the sharded lookup.
+  """
+  if cfg.gathered_lookup:
+    table_VD = constrain(table_VD, ("vocab", None))
+  return table_VD[tokens_BT]
 
 
 def masked_vocab(logits_BTV, cfg: ModelConfig):

@@ -82,7 +82,8 @@ def plan(config, devices=None) -> Layout:
   micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
   rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
   to_positions = lambda tokens: chunk_positions(tokens, rows, mesh.shape[SEQUENCE]) if tokens else 0
-  cfg = dataclasses.replace(cfg, loss_chunk=to_positions(cfg.loss_chunk), mlp_chunk=to_positions(cfg.mlp_chunk))
+  cfg = dataclasses.replace(cfg, loss_chunk=to_positions(cfg.loss_chunk), mlp_chunk=to_positions(cfg.mlp_chunk),
+                            gathered_lookup=bool(config.sharding.fsdp_group))
   # The model stays mesh-agnostic: parameters are created unplaced, and the
   # shardings below come from their logical names through parallel/rules.py.
   with nnx.use_eager_sharding(False):
