@@ -29,6 +29,7 @@ dynamic-slice; GPU and TPU compilers fuse that pair into a reduce-scatter
 """
 
 import collections
+import contextlib
 import dataclasses
 import fractions
 import functools
@@ -39,6 +40,8 @@ import re
 import tempfile
 
 import numpy as np
+from jax._src import config as jax_config  # the cache switch as a context manager
+from jax.experimental.compilation_cache import compilation_cache
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
          "ragged-all-to-all", "collective-permute")
@@ -88,15 +91,28 @@ class Collective:
     return self.loop_depth > 0
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+  """Compiles inside skip JAX's persistent compilation cache. JAX decides once per process whether
+  the cache is in use, so that decision is reset on the way in and again on the way out."""
+  compilation_cache.reset_cache()
+  try:
+    with jax_config.enable_compilation_cache(False):
+      yield
+  finally:
+    compilation_cache.reset_cache()
+
+
 def compile_partitioned(lowered):
   """Compiles `lowered`: the executable, and its HLO text right after SPMD partitioning.
 
   XLA writes the module as the `spmd-partitioning` pass leaves it to a dump
-  folder, a fresh one per call (the folder is a compile option, so a cached
-  executable cannot skip the dump). A program for one device is not
-  partitioned: its module before optimisations is the same program.
+  folder, a fresh one per call. JAX's persistent compilation cache leaves dump
+  options out of its key, so it is bypassed here: an executable read back from
+  it would skip the dump. A program for one device is not partitioned: its
+  module before optimisations is the same program.
   """
-  with tempfile.TemporaryDirectory() as folder:
+  with tempfile.TemporaryDirectory() as folder, _without_persistent_cache():
     compiled = lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning",
                                 "xla_dump_disable_metadata": True})
     dumps = (glob.glob(os.path.join(folder, "*.after_spmd-partitioning.*.txt"))
