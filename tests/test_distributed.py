@@ -19,7 +19,7 @@ from training.state import plan
 from tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# data=8 over 4 processes runs in tests/test_survive.py, which also loses two of them.
+# Hybrid sharding over 4 processes (data=8 in groups of 4) runs in tests/test_survive.py, which also loses two.
 LAYOUTS = {"data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
 RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
 

@@ -15,8 +15,8 @@ from training.step import make_train_step
 
 
 def test_loss_falls_far_below_uniform(tmp_path):
-  config = tiny_config(**{"steps": 200, "model.max_len": 64, "schedule.warmup_steps": 20,
-                          "log_every": 50, "eval_every": 200, "sample_tokens": 0,
+  config = tiny_config(**{"steps": 120, "model.max_len": 64, "schedule.warmup_steps": 12,
+                          "log_every": 30, "eval_every": 120, "sample_tokens": 0,
                           "workdir": str(tmp_path)})
   last = train(config)
   # Uniform guessing over bytes costs ln(256) = 5.55 nats.
