@@ -286,8 +286,9 @@ def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
   # Hybrid sharding, 2 replicas of 4-way ZeRO-3, which takes both ways of rebuilding the state: after
   # the first loss the groups shrink to 2 devices and each shard is sent from a live copy across
   # processes; after the second each process holds a whole copy and moves it onto its own devices,
-  # as plain data parallelism always does.
-  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=2", "--kill=3@step=4",
+  # as plain data parallelism always does. Process 2 dies wherever step 2's log line finds it; process 3
+  # is stopped after step 4 and killed 3 s later, while the others wait for it inside step 5's collectives.
+  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=2", "--kill=3@step=4:stall=3",
                   fault_tolerance="survive", **{"sharding.zero": 3, "sharding.fsdp_group": 4})
   config = tiny_config(**{**RUN, "workdir": str(tmp_path / "whole")})
   train(config)

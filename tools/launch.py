@@ -7,7 +7,8 @@
 Each process gets `--devices` simulated CPU devices and joins the others over loopback through
 jax.distributed (the same flags SLURM, a TPU pod or Kubernetes would give it). Process 0 prints to
 this console; the others write <workdir>/launch/process<i>.log. `--kill P@step=S` SIGKILLs process P
-once <workdir>/metrics.jsonl shows step S (so log every step). Under fault_tolerance=survive the
+once <workdir>/metrics.jsonl shows step S (so log every step); `--kill P@step=S:stall=T` stops it there
+(SIGSTOP) and kills it T seconds later, while the others wait for it inside the next step's collectives. Under fault_tolerance=survive the
 others carry on without it, and `--restart-after` starts the killed process again that many seconds
 later, to rejoin the run from a live replica's memory (GPUs only: on the CPU, gloo refuses the
 restarted process; README's checkpointless section says what runs where). Otherwise the whole job
@@ -34,8 +35,9 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process")
-  parser.add_argument("--kill", action="append", default=[], metavar="P@step=S",
-                      help="SIGKILL process P once step S is logged; may repeat")
+  parser.add_argument("--kill", action="append", default=[], metavar="P@step=S[:stall=T]",
+                      help="SIGKILL process P once step S is logged, or stop it then and kill it T seconds "
+                           "later, inside the next step's collectives; may repeat")
   parser.add_argument("--restart-after", type=seconds, default=None, metavar="SECONDS",
                       help="restart the killed process this long after the kill, to rejoin a surviving run; "
                            "or the whole job this long after it died (the checkpoint-restart path)")
@@ -58,15 +60,17 @@ def seconds(text: str) -> float:
     raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 10 or 10s") from None
 
 
-def parse_kill(text: str, processes: int, parser) -> tuple[int, int]:
-  match = re.fullmatch(r"(\d+)@step=(\d+)", text)
+def parse_kill(text: str, processes: int, parser) -> tuple[int, int, float]:
+  """(process, step, seconds stopped before the SIGKILL)."""
+  match = re.fullmatch(r"(\d+)@step=(\d+)(?::stall=(\d+(?:\.\d+)?)s?)?", text)
   if not match:
-    parser.error(f"--kill {text!r} is not P@step=S, e.g. --kill 2@step=30")
+    parser.error(f"--kill {text!r} is not P@step=S or P@step=S:stall=T, e.g. --kill 2@step=30 or "
+                 "--kill 2@step=30:stall=3")
   process, step = int(match[1]), int(match[2])
   if not 0 < process < processes:
     parser.error(f"--kill {text!r}: process {process} cannot be killed; pick 1..{processes - 1} "
                  "(process 0 hosts the coordination service, and the run dies with it)")
-  return process, step
+  return process, step, float(match[3] or 0)
 
 
 def workdir_of(command: list[str]) -> Path:
@@ -117,16 +121,27 @@ def main(argv=None) -> int:
   processes, kills, results, restarts = start(args, logs), sorted(args.kill, key=lambda k: k[1]), [], 0
   watching = None  # [kill time, last step finished before it, lowest step logged since] until passed
   killed = {}  # process -> kill time, while the others run on without it
+  stalled = {}  # process -> when to SIGKILL it, while it is stopped
   rejoins = args.restart_after is not None and "--config.fault_tolerance=survive" in args.command
   while True:
     done = max(logged_steps(workdir), default=0)
     if kills and done >= kills[0][1]:
-      victim, _ = kills.pop(0)
-      processes[victim].send_signal(signal.SIGKILL)
-      watching = [time.perf_counter(), done, done]
-      if rejoins:
-        killed[victim] = time.perf_counter()
-      print(f"launch: killed process {victim} after step {done}", flush=True)
+      victim, _, stall = kills.pop(0)
+      watching = [time.perf_counter(), done, done]  # the run stops gaining steps from here
+      if stall:
+        processes[victim].send_signal(signal.SIGSTOP)
+        stalled[victim] = time.perf_counter() + stall
+        print(f"launch: stopped process {victim} after step {done}; killing it in {stall:g} s, while the "
+              "others wait for it in the next step's collectives", flush=True)
+      else:
+        stalled[victim] = time.perf_counter()
+    for victim, when in list(stalled.items()):
+      if time.perf_counter() >= when:
+        processes[victim].send_signal(signal.SIGKILL)
+        del stalled[victim]
+        if rejoins:
+          killed[victim] = time.perf_counter()
+        print(f"launch: killed process {victim} after step {done}", flush=True)
     if watching:
       watching[2] = min(watching[2], done)  # a restart drops the records past its checkpoint first
       if done > watching[1]:
