@@ -6,9 +6,10 @@ shrink `data` to the devices left, rebuild each state leaf from the copies they 
 read from disk (data parallelism keeps a full copy per replica, so nothing is sent between
 processes; hybrid sharding regroups into groups that divide the live devices and sends each shard
 from a live copy: training/state_transfer.py), and redo the failed step at the same global batch:
-batch `s` is a pure function of (seed, s), so the lost replica's rows are simply spread over the survivors, with more gradient accumulation
-where a device would otherwise hold more rows than before. A process started again later joins at
-a step boundary: the mesh grows back and the state comes from a live replica (training/rejoin.py).
+batch `s` is a pure function of (seed, s), so the lost replica's rows are simply spread over the
+survivors, with more gradient accumulation where a device would otherwise hold more rows than
+before. A process started again later joins at a step boundary: the mesh grows back and the state
+comes from a live replica (training/rejoin.py).
 """
 
 import dataclasses
