@@ -8,8 +8,8 @@ Each process gets `--devices` simulated CPU devices and joins the others over lo
 jax.distributed (the same flags SLURM, a TPU pod or Kubernetes would give it). Process 0 prints to
 this console; the others write <workdir>/launch/process<i>.log. `--kill P@step=S` SIGKILLs process P
 once <workdir>/metrics.jsonl shows step S (so log every step); `--kill P@step=S:stall=T` stops it there
-(SIGSTOP) and kills it T seconds later, while the others wait for it inside the next step's collectives. Under fault_tolerance=survive the
-others carry on without it, and `--restart-after` starts the killed process again that many seconds
+(SIGSTOP) and kills it T seconds later, while the others wait for it inside the next step's
+collectives. Under fault_tolerance=survive the others carry on without it, and `--restart-after` starts the killed process again that many seconds
 later, to rejoin the run from a live replica's memory (GPUs only: on the CPU, gloo refuses the
 restarted process; README's checkpointless section says what runs where). Otherwise the whole job
 dies with it, and `--restart-after` starts it again, resuming from the last checkpoint. At the end a table gives, for
