@@ -67,7 +67,7 @@ def share_state(state, layout: Layout, holders) -> dict:
   shapes. Each shard is taken from the first holder (by device id) that is on the new mesh.
   """
   devices = list(layout.mesh.devices.flat)
-  sources = sorted(set(holders) & set(devices), key=lambda device: device.id)
+  sources = set(holders) & set(devices)
   line = Mesh(np.asarray(devices), (_ALL,))
   summed = jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line,
                                  in_specs=P(_ALL), out_specs=P()))
@@ -77,12 +77,11 @@ def share_state(state, layout: Layout, holders) -> dict:
     held = {shard.device: shard for shard in getattr(leaf, "addressable_shards", ())}
     first_holder = {}
     if held:  # a process that holds nothing sends only zeros, and need not know who sends what
-      for device, index in leaf.sharding.devices_indices_map(shape).items():
+      placed = {device: shard_key(index, shape) for device, index in leaf.sharding.devices_indices_map(shape).items()}
+      for device, key in placed.items():
         if device in sources:
-          key = shard_key(index, shape)
           first_holder[key] = min(first_holder.get(key, device), device, key=lambda d: d.id)
-      missing = {shard_key(index, shape) for index in leaf.sharding.devices_indices_map(shape).values()}
-      if missing - first_holder.keys():
+      if set(placed.values()) - first_holder.keys():
         raise ValueError(f"a shard of a state leaf of shape {shape} has no copy on the live devices, "
                          "so the state cannot be rebuilt; resume from the last checkpoint.")
 
