@@ -1,6 +1,7 @@
 """The frozen model description: everything the model needs, nothing about the run."""
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -90,6 +91,8 @@ class ModelConfig:
       raise ValueError(
           f"model.embed_dim={self.embed_dim} is not divisible by model.num_heads={self.num_heads}; "
           "choose heads that divide the width.")
+    if self.kv_heads < 0:
+      raise ValueError(f"model.kv_heads={self.kv_heads} must be at least 0 (0: as many as model.num_heads).")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"model.num_heads={self.num_heads} is not a multiple of model.kv_heads={self.num_kv_heads}; "
@@ -103,6 +106,16 @@ class ModelConfig:
         raise ValueError(f"model.{field}={getattr(self, field)} must be a positive number of positions.")
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
+    if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+      raise ValueError(f"model.rope_theta={self.rope_theta} must be a finite number > 0 (the rotary base; "
+                       "10000 is usual).")
+    if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
+      raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0 (0: the family's own, "
+                       + ", ".join(f"{eps:g} for {family}" for family, eps in NORM_EPS.items()) + ").")
+    if not -1 <= self.document_end < self.vocab_size:
+      raise ValueError(f"model.document_end={self.document_end} is not a token of the vocabulary of "
+                       f"model.vocab_size={self.vocab_size}; use the tokenizer's end-of-text id, or -1 for no "
+                       "packed documents.")
     if self.num_experts:
       self._check_moe()
     if self.compute_dtype not in COMPUTE_DTYPES:
@@ -121,6 +134,10 @@ class ModelConfig:
     if self.moe_dropless and self.fp8:
       raise ValueError("moe.dropless=True with precision.compute=float8: the dropless experts run as grouped "
                        "matmuls (ragged_dot), which have no fp8 path; use a capacity factor or bfloat16.")
+    for field in ("moe_balance_weight", "moe_z_weight"):
+      if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
+        raise ValueError(f"moe.{field[4:]}={getattr(self, field)} must be a finite number >= 0 (0 turns that "
+                         "loss off); a negative weight rewards what the loss penalises.")
     if self.moe_every < 1 or self.num_layers % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

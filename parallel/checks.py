@@ -129,8 +129,12 @@ def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -
 
 
 def check_backend(model: ModelConfig, device) -> None:
-  """fp8 wants fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) on a GPU; CPUs
-  and TPUs run it through XLA's conversions. Offloading remat wants host memory the device can reach."""
+  """cuDNN's attention wants a GPU (elsewhere it fails while tracing). fp8 wants fp8 tensor cores
+  (compute capability 8.9+: Ada, Hopper, Blackwell) on a GPU; CPUs and TPUs run it through XLA's
+  conversions. Offloading remat wants host memory the device can reach."""
+  if model.attention == "cudnn" and device.platform != "gpu":
+    raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, but this run's devices are "
+                     f"{device.platform}; use auto (cuDNN where it applies, else xla) or xla.")
   if model.fp8 and device.platform == "gpu":
     capability = getattr(device, "compute_capability", "0.0")
     if tuple(int(part) for part in capability.split(".")) < (8, 9):

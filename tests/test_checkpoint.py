@@ -1,6 +1,7 @@
 """Checkpoints resume exactly, restore onto other meshes, and refuse what they cannot trust."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -118,3 +119,38 @@ def test_a_checkpoint_restores_onto_another_mesh(straight_run, target):
     state, metrics = train_step(state, batch)
     np.testing.assert_allclose(float(metrics["loss"]), losses(straight)[step + 1], rtol=1e-5,
                                err_msg=f"step {step + 1}")
+
+
+def test_resuming_with_bfloat16_moments_casts_the_saved_ones(straight_run, tmp_path):
+  # The checkpoint's bytes are checked as saved (float32), then cast: a changed dtype is not damage.
+  straight, state_at_10 = straight_run
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)  # restoring step 10 sets step 20 aside
+  config = config_for(workdir, **{"mesh.data": 8, "precision.moments": "bfloat16"})
+  layout = plan(config)
+  checkpoints = Checkpoints(str(workdir), every=10, keep=3)
+  try:
+    state = loop._restore_good(checkpoints, RESTORED_STEP, abstract_inputs(layout, config)[0])
+  finally:
+    checkpoints.close()
+  moments = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+             if "count" not in jax.tree_util.keystr(path)]
+  saved = {jax.tree_util.keystr(path): leaf for path, leaf in
+           jax.tree_util.tree_leaves_with_path(state_at_10["opt_state"])}
+  assert moments and all(leaf.dtype == jax.numpy.bfloat16 for _, leaf in moments)
+  for path, leaf in moments:
+    expected = np.asarray(saved[jax.tree_util.keystr(path)]).astype(jax.numpy.bfloat16)
+    np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=jax.tree_util.keystr(path))
+  for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state_at_10["params"])):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_finished_run_trains_nothing_and_steps_below_its_checkpoint_are_refused(straight, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)
+  assert train(config_for(workdir, **{"mesh.data": 8})) == {}  # step 20 of 20: nothing to train
+  assert losses(workdir) == losses(straight)
+  with pytest.raises(ValueError, match=r"checkpoint step 20 in .* is past steps=15; raise --config.steps to "
+                                       r"train on, or resume from step 10 with --config.resume=10"):
+    train(config_for(workdir, **{"mesh.data": 8, "steps": 15}))
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]

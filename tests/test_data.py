@@ -185,7 +185,7 @@ def test_prepare_command_line(tmp_path):
 @pytest.mark.parametrize("config, message", [
     (data_config(path="/nonexistent/meshlm"), r"/nonexistent/meshlm does not exist; .*prepare.py"),
     (data_config(path=""), r"needs --config.data.path=DIR"),
-    (data_config(source="imagenet"), r"Unknown data source 'imagenet'; choose one of"),
+    (data_config(source="imagenet"), r"data.source='imagenet' is unknown; use one of builtin"),
 ])
 def test_bad_sources_are_refused_in_one_line(config, message):
   with pytest.raises(ValueError, match=message) as error:

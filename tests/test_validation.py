@@ -28,6 +28,24 @@ BAD = [
     ({"pipeline.schedule": "zigzag"}, r"pipeline.schedule='zigzag' is unknown; use one of gpipe"),
     ({"nonfinite": "ignore"}, r"nonfinite='ignore' is unknown; use skip or stop"),
     ({"workdir": " "}, r"workdir is empty"),
+    ({"optimizer.b1": 1.5}, r"optimizer.b1=1.5 must be in \[0, 1\)"),
+    ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
+    ({"optimizer.momentum": -0.1}, r"optimizer.momentum=-0.1 must be in \[0, 1\)"),
+    ({"optimizer.eps": 0.0}, r"optimizer.eps=0.0 must be a finite number > 0"),
+    ({"schedule.warmup_steps": -1}, r"schedule.warmup_steps=-1 must be an integer of at least 0"),
+    ({"schedule.final_lr_ratio": -0.5}, r"schedule.final_lr_ratio=-0.5 must be in \[0, 1\]"),
+    ({"peak_tflops": -1.0}, r"peak_tflops=-1.0 must be a finite number >= 0"),
+    ({"precision.loss_scale": -1.0}, r"precision.loss_scale=-1.0 must be a finite number > 0"),
+    ({"precision.loss_scale_growth": 0}, r"precision.loss_scale_growth=0 must be an integer of at least 1"),
+    ({"pipeline.virtual_stages": 0}, r"pipeline.virtual_stages=0 must be an integer of at least 1"),
+    ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
+    ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
+    ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
+     r"1e-05 for gpt2, 1e-06 for llama\)"),
+    ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
+     r"model.vocab_size=256"),
+    ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),
+    ({"model.attention": "cudnn"}, r"model.attention='cudnn' needs an NVIDIA GPU, but this run's devices are cpu"),
     ({"sharding.fsdp_group": 4, "mesh.data": 8}, r"sharding.fsdp_group=4 shards ZeRO's state within groups of a "
      r"dense model, but this run has sharding.zero=0"),
     ({"sharding.fsdp_group": 3, "sharding.zero": 3, "mesh.data": 8}, r"mesh.data=8 does not split into groups "

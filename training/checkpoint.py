@@ -110,11 +110,17 @@ class Checkpoints:
     self.wait()
 
   def restore(self, step: int, abstract_state):
-    """The state at `step`, laid out by the shardings in `abstract_state` (any mesh)."""
+    """The state at `step`, laid out by the shardings in `abstract_state` (any mesh), in the dtypes it
+    was saved in: its fingerprints check the bytes on disk, so a dtype the config has changed since
+    (precision.moments) is the caller's to apply, after that check (`cast_like`)."""
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
     _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
+    saved_dtypes = {name: leaf.dtype for name, leaf in _leaves_by_name(stored).items()}
+    as_saved = jax.tree_util.tree_map_with_path(
+        lambda path, want: jax.ShapeDtypeStruct(want.shape, saved_dtypes[_path_name(path)], sharding=want.sharding),
+        abstract_state)
     return self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))["state"])
+        state=ocp.args.StandardRestore(as_saved)))["state"])
 
   def stored_config(self, step: int) -> dict:
     """The run config saved with `step`, as a plain dict."""
@@ -188,7 +194,13 @@ def _check_same_shapes(stored, abstract_state, where: str) -> None:
   if stored_leaves.keys() != wanted_leaves.keys():
     extra = sorted(stored_leaves.keys() - wanted_leaves.keys())
     missing = sorted(wanted_leaves.keys() - stored_leaves.keys())
-    raise ValueError(f"{where} holds a different model (missing {missing[:3]}, unexpected "
+    if all(name.startswith("loss_scale/") for name in extra + missing):  # the model is the same
+      raise ValueError(f"{where} was saved {'with' if extra else 'without'} float16's loss scale, and this "
+                       f"config runs {'without' if extra else 'with'} one; resume with the precision.compute "
+                       f"it was written with{' (float16)' if extra else ''} or choose another workdir.")
+    held = "a different model" if any(name.startswith("params/") for name in extra + missing) else \
+        "another optimizer's state (an optimizer.* setting differs)"
+    raise ValueError(f"{where} holds {held} (missing {missing[:3]}, unexpected "
                      f"{extra[:3]}); use the config it was written with or another workdir.")
   for name in _weights_first(wanted_leaves):
     wanted = wanted_leaves[name]
@@ -207,13 +219,22 @@ def _named_fingerprints(state) -> dict[str, int]:
   return {name: int(value) for name, value in _leaves_by_name(jax.device_get(fingerprints(state))).items()}
 
 
+def cast_like(state, abstract_state):
+  """`state` in the dtypes of `abstract_state`, each leaf left where it is; leaves already so, untouched."""
+  return jax.tree.map(lambda leaf, want: leaf if leaf.dtype == want.dtype else leaf.astype(want.dtype),
+                      state, abstract_state)
+
+
 def _leaves_by_name(tree) -> dict:
   """Leaves keyed by a path string that reads the same for a namedtuple and the dict orbax stores."""
-  def name(path):
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-  return {name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _first_line(error: Exception) -> str:
   text = str(error).strip().splitlines()
-  return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+  first = text[0].split(" See full TensorStore details")[0] if text else ""  # the rest is a pybind repr
+  return f"{type(error).__name__}: {first}"[:200]

@@ -42,7 +42,7 @@ def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
                        f"written by `{PREPARE_COMMAND.format('DIR')}`.")
     folder = Path(data_config.path).expanduser()
   else:
-    raise ValueError(f"Unknown data source {source!r}; choose one of {list(SOURCES)}.")
+    raise ValueError(f"data.source={source!r} is unknown; use one of {', '.join(SOURCES)}.")
   meta = read_meta(folder)
   if meta["vocab_size"] > vocab_size:
     raise ValueError(f"{folder} holds {meta['tokenizer']} tokens with vocab {meta['vocab_size']}, "

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from parallel import analysis, distributed
 from parallel.redundancy import survival_problem
 from training import data, hf_checkpoint, metrics
-from training.checkpoint import Checkpoints
+from training.checkpoint import Checkpoints, cast_like
 from training.dry_run import abstract_inputs, compile_train_step, report
 from training.in_flight import StepsInFlight
 from training.preemption import StopRequests
@@ -67,6 +67,8 @@ def train(config, dry_run: bool = False) -> dict:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
     with StopRequests() as stop, lock:
       start = None if joining else _resume_step(checkpoints, config.resume)
+      if start is not None:
+        _check_not_past(start, config.steps, checkpoints)
       if joining:  # never process 0, which hosts the coordination service: process 0 logs the rejoin
         state = None  # _run receives it from the live processes
       elif start is None and pretrained is not None:
@@ -76,6 +78,10 @@ def train(config, dry_run: bool = False) -> dict:
         state = init_state(layout, config.seed)
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
+        if start == config.steps:  # restored all the same: a checkpoint of another model is refused above
+          _log(f"step {start} in {checkpoints.directory} is the last of steps={config.steps}: nothing to "
+               "train; raise --config.steps to train on.")
+          return {}
         _log(f"resuming from step {start} in {checkpoints.directory}")
       last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving)
   finally:
@@ -101,7 +107,17 @@ def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
   moved, folder = checkpoints.set_aside_after(step)
   if moved:
     _log(f"moved checkpoints {moved} (after step {step}) to {folder}")
-  return state
+  return cast_like(state, abstract_state)
+
+
+def _check_not_past(start: int, steps: int, checkpoints: Checkpoints) -> None:
+  """A checkpoint beyond the last step is a mistake in `steps` or `resume`, which training would hide."""
+  if start > steps:
+    earlier = [s for s in checkpoints.steps() if s <= steps]
+    raise ValueError(f"checkpoint step {start} in {checkpoints.directory} is past steps={steps}; raise "
+                     f"--config.steps to train on" + (f", or resume from step {earlier[-1]} with "
+                     f"--config.resume={earlier[-1]} (later checkpoints are set aside, not deleted)"
+                     if earlier else "") + ".")
 
 
 def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:

@@ -28,6 +28,19 @@ def _finite_non_negative(config, field: str, what: str) -> None:
     raise ValueError(f"{field}={value!r} must be a finite number >= 0 ({what}).")
 
 
+def _in_range(config, field: str, low: float, high: float, *, closed: bool, what: str) -> None:
+  """`low <= value < high` (`<= high` when closed): a decay rate, a ratio."""
+  value = _get(config, field)
+  if not (isinstance(value, (int, float)) and low <= value and (value <= high if closed else value < high)):
+    raise ValueError(f"{field}={value!r} must be in [{low}, {high}{']' if closed else ')'} ({what}).")
+
+
+def _positive(config, field: str, what: str) -> None:
+  value = _get(config, field)
+  if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    raise ValueError(f"{field}={value!r} must be a finite number > 0 ({what}).")
+
+
 def _get(config, field: str):
   node = config
   for key in field.split("."):
@@ -57,6 +70,21 @@ def check_run(config) -> None:
   _finite_non_negative(config, "optimizer.lr", "the peak learning rate")
   _finite_non_negative(config, "optimizer.clip_norm", "0 turns clipping off")
   _finite_non_negative(config, "optimizer.weight_decay", "0 turns decay off")
+  # Checked whichever optimizer runs, as pipeline.schedule is below. A decay rate of 1 or more never
+  # forgets (b2=1 divides by zero at the first step); a negative one flips the sign of what it keeps.
+  _in_range(config, "optimizer.b1", 0, 1, closed=False, what="the gradient mean's decay per step; 0.9 is usual")
+  _in_range(config, "optimizer.b2", 0, 1, closed=False,
+            what="the squared gradient's decay per step; 0.95 or 0.999 is usual")
+  _in_range(config, "optimizer.momentum", 0, 1, closed=False, what="the velocity's decay per step; 0.9 is usual")
+  _positive(config, "optimizer.eps", "Adam's floor under the root of v; 1e-8 is usual")
+  _at_least(config, "schedule.warmup_steps", 0, " (0 starts at the peak learning rate)")
+  _in_range(config, "schedule.final_lr_ratio", 0, 1, closed=True,
+            what="the last step's learning rate over the peak; 0.1 is usual")
+  _finite_non_negative(config, "peak_tflops", "per device, for MFU; 0 looks the device kind up")
+  _positive(config, "precision.loss_scale", "float16's starting loss scale; 2**15 is usual")
+  _at_least(config, "precision.loss_scale_growth", 1, ": finite steps in a row before the loss scale doubles")
+  _at_least(config, "pipeline.microbatches", 1)
+  _at_least(config, "pipeline.virtual_stages", 1, ": layer chunks per device under the interleaved schedule")
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
