@@ -142,3 +142,14 @@ def test_cpu_layouts_plan(layout):
   _, _, spec, overrides, devices = layout
   config = bench_runs.build_config(spec, [(k, str(v)) for k, v in overrides.items()], batch=32, seq_len=128)
   assert plan(config, jax.devices()[:devices]).mesh.size == devices
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--batch=0"], "error: --batch=0 must be positive integers"),
+    (["--steps=0"], "error: flag --steps=0: 0 is not a positive integer"),
+])
+def test_bad_flags_are_one_line_before_anything_runs(args, says):
+  result = subprocess.run([sys.executable, "tools/bench.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+  message = result.stderr.strip()
+  assert result.returncode == 1 and message.startswith(says) and "\n" not in message, message

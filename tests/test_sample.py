@@ -62,6 +62,8 @@ def test_requests_the_cache_cannot_hold_are_refused():
     generate(layout, None, PROMPT, num_tokens=26)
   with pytest.raises(ValueError, match="top_k=300 is outside 0..256"):
     generate(layout, None, PROMPT, num_tokens=4, top_k=300)
+  with pytest.raises(ValueError, match="num_samples=0 must be at least 1"):
+    generate(layout, None, PROMPT, num_tokens=4, num_samples=0)
 
 
 def test_sample_cli_continues_a_checkpoint_on_another_mesh(tmp_path):

@@ -5,6 +5,7 @@ The notebooks' test runs a real sweep end to end (tests/test_notebooks.py).
 
 import importlib
 import json
+import subprocess
 import sys
 
 import pytest
@@ -50,3 +51,25 @@ def test_an_unfinished_run_runs_again_and_a_failure_is_recorded(tmp_path):
   marker = sweep.run_one(command, tmp_path, devices=1)
   assert not marker["finished"] and "skipped" not in marker
   assert json.loads((tmp_path / sweep.MARKER).read_text())["finished"] is False
+
+
+@pytest.mark.parametrize("fixed, grid, says", [
+    ({}, ["nofield=1,2"], r"run nofield=1,seed=0: the config has no field 'nofield'"),
+    ({}, ["optimizer.lr=1e-3,fast"], r"run optimizer.lr=fast,seed=0: optimizer.lr='fast' is not a number"),
+    ({"mesh.data": "2"}, ["optimizer.b1=0.9,1.2"], r"run optimizer.b1=1.2,seed=0: optimizer.b1=1.2 must be in"),
+])
+def test_a_bad_run_is_refused_before_any_run_starts(fixed, grid, says):
+  recipe = Recipe("t", "", fixed=fixed, grid=sweep.parse_grid(grid))
+  with pytest.raises(ValueError, match=says):
+    sweep.check_runs(recipe)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--seeds=0,x"], "--seeds=0,x is not a list of integers"),
+    (["--devices=0"], "--devices=0 must be at least 1"),
+])
+def test_bad_sweep_flags_are_one_line(args, says):
+  result = subprocess.run([sys.executable, "tools/sweep.py", *args], cwd=sweep.ROOT, capture_output=True,
+                          text=True, timeout=120)
+  message = result.stderr.strip()
+  assert result.returncode == 1 and message.startswith(f"error: {says}") and "\n" not in message, message

@@ -35,14 +35,14 @@ _CONFIGS = flags.DEFINE_multi_string("config", ["configs/gpt2.py:124m"],
                                      "FILE:VARIANT[,field=value...]; repeat to compare configs.")
 _BATCH = flags.DEFINE_list("batch", [], "Global batch sizes; empty: each config's batch_size.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Sequence length (model.max_len); default 1024, 128 for --layouts.")
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per window.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")
-_WINDOWS = flags.DEFINE_integer("windows", 3, "Timed windows; the step time is the median window's.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per window.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.", lower_bound=0)
+_WINDOWS = flags.DEFINE_integer("windows", 3, "Timed windows; the step time is the median window's.", lower_bound=1)
 _BEST = flags.DEFINE_bool("best_batch", False, "Double the first batch until it no longer fits (or --max_batch).")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 1024, "Largest batch --best_batch tries.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 1024, "Largest batch --best_batch tries.", lower_bound=1)
 _PRESETS = flags.DEFINE_list("xla_presets", ["default"], f"XLA flag presets to run: {', '.join(XLA_PRESETS)}.")
 _PEERS = flags.DEFINE_string("peers", "", "Folder holding torch_gpt2.py and jax_gpt2.py, run beside each GPT-2 size.")
-_TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds one measurement (ours or a peer's) may take.")
+_TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds one measurement (ours or a peer's) may take.", lower_bound=1)
 _LAYOUTS = flags.DEFINE_enum("layouts", None, ["cpu"], "Every parallel layout of the tiny models on simulated CPUs.")
 _OUT = flags.DEFINE_string("out", "", "Also append the JSON lines to this file.")
 _REPORT = flags.DEFINE_string("report", "", "Print the tables from this file of JSON lines, and run nothing.")
@@ -124,6 +124,8 @@ def main(argv):
   if _REPORT.value:
     print(bench_report.tables(bench_report.read_records(_REPORT.value)))
     return
+  if not all(b.isdigit() and int(b) > 0 for b in _BATCH.value):
+    raise ValueError(f"--batch={','.join(_BATCH.value)} must be positive integers, e.g. --batch=16,32.")
   unknown = [p for p in _PRESETS.value if p not in XLA_PRESETS]
   if unknown:
     raise ValueError(f"unknown XLA preset(s) {unknown}; choose from {', '.join(XLA_PRESETS)}.")

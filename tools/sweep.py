@@ -35,8 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from configs import load  # pylint: disable=wrong-import-position
 from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
 from tools.recipes import RECIPES, Recipe  # pylint: disable=wrong-import-position
+from training.state import model_config  # pylint: disable=wrong-import-position
+from training.validate import check_run  # pylint: disable=wrong-import-position
 
 MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
 METRICS = ("final train loss", "final val loss", "tokens/s", "MFU", "peak MiB/device", "wall s")
@@ -229,10 +232,29 @@ def recipes_from_flags() -> list[Recipe]:
   if _GRID.value:
     changes.update(grid=parse_grid(_GRID.value), cases=())
   if _SEEDS.value:
+    if not all(re.fullmatch(r"-?\d+", s) for s in _SEEDS.value):
+      raise ValueError(f"--seeds={','.join(_SEEDS.value)} is not a list of integers, e.g. --seeds=0,1,2")
     changes["seeds"] = tuple(int(s) for s in _SEEDS.value)
-  if _DEVICES.value:
+  if _DEVICES.value is not None:
+    if _DEVICES.value < 1:
+      raise ValueError(f"--devices={_DEVICES.value} must be at least 1 (simulated CPU devices per run).")
     changes["devices"] = _DEVICES.value
   return [dataclasses.replace(r, fixed={**r.fixed, **parse_set(_SET.value)}, **changes) for r in chosen]
+
+
+def check_runs(recipe: Recipe) -> None:
+  """Each run's settings checked as train.py checks them, before any run starts: a misspelt field or
+  a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
+  for the run itself, which sees its own devices."""
+  for fields in recipe.runs():
+    config = load.load(recipe.config)
+    try:
+      for field, value in {**recipe.fixed, **fields}.items():
+        load.override(config, field, str(value))
+      check_run(config)
+      model_config(config)
+    except ValueError as error:
+      raise ValueError(f"run {run_name(fields)}: {error}") from None
 
 
 def sweep_dir(recipe: Recipe) -> Path:
@@ -280,6 +302,8 @@ def main(argv):
     recipes = recipes_from_flags()
     if _WRITE.value:
       check_write(recipes)
+    for recipe in recipes:
+      check_runs(recipe)
     for recipe in recipes:
       run_recipe(recipe)
   except (ValueError, RuntimeError) as error:

@@ -102,6 +102,8 @@ def generate(layout: Layout, params, prompt_ids, *, num_tokens: int, temperature
              top_k: int = 0, seed: int = 0, num_samples: int = 1, keep_logits: bool = False):
   """`num_samples` continuations of one prompt: tokens [num_samples, num_tokens] (and their logits)."""
   prompt_ids = np.asarray(prompt_ids, np.int32)
+  if num_samples < 1:
+    raise ValueError(f"num_samples={num_samples} must be at least 1.")
   check_request(layout.model.max_len, len(prompt_ids), num_tokens, temperature, top_k,
                 layout.model.vocab_size)
   batch = decode_batch(layout, num_samples)
