@@ -78,12 +78,13 @@ def train(config, dry_run: bool = False) -> dict:
         state = init_state(layout, config.seed)
       else:
         state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
-        if start == config.steps:  # restored all the same: a checkpoint of another model is refused above
-          _log(f"step {start} in {checkpoints.directory} is the last of steps={config.steps}: nothing to "
-               "train; raise --config.steps to train on.")
-          return {}
         _log(f"resuming from step {start} in {checkpoints.directory}")
-      last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving)
+      if start == config.steps:  # restored all the same, so a checkpoint of another model is refused
+        _log(f"step {start} is the last of steps={config.steps}: nothing to train; raise --config.steps "
+             "to train on.")
+        last = {}
+      else:
+        last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
