@@ -60,6 +60,12 @@ class Checkpoints:
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def _finished_steps(self) -> list[int]:
+    """Steps whose save completed, read from disk. Orbax's own list counts a save from its start, so
+    after a failed save it still names that step; a save in progress (or a failed one) is a temporary
+    folder until orbax renames it to the step's number."""
+    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() else []
+
   def set_aside_after(self, step: int) -> tuple[list[int], Path]:
     """Moves the checkpoints after `step` out of rotation; returns their steps and where they went."""
     later = [s for s in self.steps() if s > step]
@@ -97,7 +103,7 @@ class Checkpoints:
       yield
     except Exception as error:  # orbax raises many kinds (OSError, ValueError, its own)
       free = shutil.disk_usage(self.directory).free
-      good = self.steps()
+      good = self._finished_steps()
       raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); one "
                        f"needs about {self._state_bytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are "
                        f"free. The newest saved checkpoint is "
