@@ -1,8 +1,10 @@
 """Multi-host start-up through jax.distributed, before anything touches a device."""
 
+import json
 import os
 
 import jax
+from jax._src import distributed as jax_distributed
 
 # Variables that mean "this process is one of several": TPU pod workers and SLURM tasks.
 _CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_NTASKS")
@@ -56,3 +58,47 @@ def _abandon_collectives_after(seconds: int) -> None:
   os.environ["XLA_FLAGS"] = " ".join(present + [f for f in flags if f.split("=")[0] not in names])
   os.environ.setdefault("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "1")
   os.environ.setdefault("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "1")  # the GPU client that can abort
+
+
+_CONFIG_KEY = "meshlm/config"  # in the coordination service's key-value store
+
+
+def check_same_config(config) -> None:
+  """Refuse, on every process, a run whose processes were started with different settings.
+
+  A process with another learning rate would train apart from the others without a word, and one
+  with another batch or mesh would hang in the first collective. Process 0 publishes its settings
+  through the coordination service, every other process compares its own and answers, and process
+  0 waits for each answer, so every process stops with the same sentence. `distributed.*` may differ
+  (each process's id). A process rejoining a surviving run compares and answers the same way.
+  """
+  if jax.process_count() == 1:
+    return
+  client = jax_distributed.global_state.client
+  timeout_ms = config.distributed.heartbeat_seconds * 1000
+  mine = json.loads(json.dumps(_settings(config)))  # as process 0's arrives: tuples as lists
+  if jax.process_index() == 0:
+    client.key_value_set(_CONFIG_KEY, json.dumps(mine), allow_overwrite=True)
+    answers = [client.blocking_key_value_get(f"{_CONFIG_KEY}/{process}", timeout_ms)
+               for process in range(1, jax.process_count())]
+    mismatch = next((answer for answer in answers if answer != "same"), None)
+  else:
+    first = json.loads(client.blocking_key_value_get(_CONFIG_KEY, timeout_ms))
+    field = next((f for f in sorted(first.keys() | mine.keys()) if first.get(f) != mine.get(f)), None)
+    mismatch = field and (f"process {jax.process_index()} has {field}={mine.get(field)!r} where process 0 has "
+                          f"{first.get(field)!r}")
+    client.key_value_set(f"{_CONFIG_KEY}/{jax.process_index()}", mismatch or "same", allow_overwrite=True)
+  if mismatch:
+    raise ValueError(f"the processes were started with different settings: {mismatch}; start every process "
+                     "with the same flags.")
+
+
+def _settings(config) -> dict:
+  """The config as dotted field -> value, without `distributed` (which differs between processes)."""
+  def flat(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        yield from flat(value, f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}", value
+  return {field: value for field, value in flat(config.to_dict(), "") if not field.startswith("distributed.")}

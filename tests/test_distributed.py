@@ -24,7 +24,7 @@ LAYOUTS = {"data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
 RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
 
 
-def two_process_run(workdir, layout):
+def start_two_processes(workdir, layout, second_process_flags=()):
   port = free_port()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 "
              "--xla_backend_optimization_level=0")
@@ -32,9 +32,14 @@ def two_process_run(workdir, layout):
   flags += ["--config.model.embed_dim=64", "--config.model.mlp_dim=256", "--config.model.max_len=32",
             "--config.batch_size=16", "--config.schedule.warmup_steps=2", f"--config.workdir={workdir}",
             f"--config.distributed.coordinator=localhost:{port}", "--config.distributed.num_processes=2"]
-  processes = [subprocess.Popen([sys.executable, "train.py", *flags, f"--config.distributed.process_id={i}"],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for i in range(2)]
+  return [subprocess.Popen([sys.executable, "train.py", *flags, f"--config.distributed.process_id={i}",
+                            *(second_process_flags if i else ())],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
+
+
+def two_process_run(workdir, layout):
+  processes = start_two_processes(workdir, layout)
   outputs = [p.communicate(timeout=300) for p in processes]
   for process, (_, err) in zip(processes, outputs):
     assert process.returncode == 0, err[-3000:]
@@ -64,6 +69,18 @@ def test_two_processes_match_one(layout, tmp_path):
   for a, b in zip(jax.tree.leaves(final_params(tmp_path / "two", config)),
                   jax.tree.leaves(final_params(tmp_path / "one", config))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_processes_started_with_different_settings_all_stop_in_one_line(tmp_path):
+  # Without the check, the second process would train at its own learning rate, apart from the first.
+  processes = start_two_processes(tmp_path / "run", "data=2 x tensor=4", ["--config.optimizer.lr=0.002"])
+  outputs = [p.communicate(timeout=300) for p in processes]
+  for process, (_, err) in zip(processes, outputs):
+    assert process.returncode == 1, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "error: the processes were started with different settings: process 1 has optimizer.lr=0.002 where "
+        "process 0 has 0.003; start every process with the same flags.")
+  assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_clusters_are_detected_from_the_environment(monkeypatch):

@@ -35,6 +35,7 @@ def train(config, dry_run: bool = False) -> dict:
   if pretrained is not None:
     pretrained.configure(config)  # the checkpoint decides the model's shape
   check_run(config)
+  distributed.check_same_config(config)
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
   # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
