@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's measurements on one H200, one stage per call; each prints a short table last.
+# Issue 20's measurements (the bar issue 8 set) on one H200, one stage per call; each prints a short table last.
 #   here:   bash tools/h200_prepare.sh
 #   device: run(command="bash tools/h200_check.sh", carry=[".peers", ".deps"], timeout_s=600)
 # Stages (argument 1), each sized to end within the device tool's 600 s:
