@@ -22,10 +22,11 @@ def _at_least(config, field: str, low: int, why: str = "") -> None:
     raise ValueError(f"{field}={value!r} must be an integer of at least {low}{why}.")
 
 
-def _finite_non_negative(config, field: str, what: str) -> None:
+def _finite_non_negative(config, field: str, what: str, *, zero: bool = True) -> None:
+  """A finite number >= 0, or > 0 where `zero` is not allowed."""
   value = _get(config, field)
-  if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-    raise ValueError(f"{field}={value!r} must be a finite number >= 0 ({what}).")
+  if not (isinstance(value, (int, float)) and math.isfinite(value) and (value >= 0 if zero else value > 0)):
+    raise ValueError(f"{field}={value!r} must be a finite number {'>=' if zero else '>'} 0 ({what}).")
 
 
 def _in_range(config, field: str, low: float, high: float, *, closed: bool, what: str) -> None:
@@ -33,12 +34,6 @@ def _in_range(config, field: str, low: float, high: float, *, closed: bool, what
   value = _get(config, field)
   if not (isinstance(value, (int, float)) and low <= value and (value <= high if closed else value < high)):
     raise ValueError(f"{field}={value!r} must be in [{low}, {high}{']' if closed else ')'} ({what}).")
-
-
-def _positive(config, field: str, what: str) -> None:
-  value = _get(config, field)
-  if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-    raise ValueError(f"{field}={value!r} must be a finite number > 0 ({what}).")
 
 
 def _get(config, field: str):
@@ -76,12 +71,13 @@ def check_run(config) -> None:
   _in_range(config, "optimizer.b2", 0, 1, closed=False,
             what="the squared gradient's decay per step; 0.95 or 0.999 is usual")
   _in_range(config, "optimizer.momentum", 0, 1, closed=False, what="the velocity's decay per step; 0.9 is usual")
-  _positive(config, "optimizer.eps", "Adam's floor under the root of v; 1e-8 is usual")
+  _finite_non_negative(config, "optimizer.eps", "Adam's floor under the root of v; 1e-8 is usual", zero=False)
   _at_least(config, "schedule.warmup_steps", 0, " (0 starts at the peak learning rate)")
   _in_range(config, "schedule.final_lr_ratio", 0, 1, closed=True,
             what="the last step's learning rate over the peak; 0.1 is usual")
   _finite_non_negative(config, "peak_tflops", "per device, for MFU; 0 looks the device kind up")
-  _positive(config, "precision.loss_scale", "float16's starting loss scale; 2**15 is usual")
+  _finite_non_negative(config, "precision.loss_scale", "float16's starting loss scale; 2**15 is usual",
+                       zero=False)
   _at_least(config, "precision.loss_scale_growth", 1, ": finite steps in a row before the loss scale doubles")
   _at_least(config, "pipeline.microbatches", 1)
   _at_least(config, "pipeline.virtual_stages", 1, ": layer chunks per device under the interleaved schedule")
