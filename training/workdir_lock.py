@@ -1,5 +1,13 @@
-"""One run per workdir: a lock file naming the holder's host and pid, stale once that process is gone."""
+"""One run per workdir: process 0 holds `<workdir>/run.lock` while it trains.
 
+The lock is the kernel's advisory lock (flock) on that file, not the file's content: taking it and
+holding it are one atomic step, the kernel drops it when its process dies however it dies, so no
+stale lock ever needs taking over by guesswork. The file names the holder (host and pid) so that a
+refused run can say whom it waited for.
+"""
+
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -11,44 +19,67 @@ class WorkdirLock:
 
   def __init__(self, workdir: str):
     self.path = Path(workdir).resolve() / "run.lock"
-    self._held = False
+    self._fd = None
 
   def __enter__(self):
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    me = {"host": socket.gethostname(), "pid": os.getpid()}
-    while not self._held:
+    while self._fd is None:
+      fd = self._open()
       try:
-        with open(self.path, "x") as f:  # exclusive create: of two racing runs, one wins
-          json.dump(me, f)
-        self._held = True
-      except FileExistsError:
-        holder = self._holder()
-        if holder is not None and (holder.get("host") != me["host"] or _alive(holder.get("pid"))):
-          raise ValueError(f"{self.path.parent} is in use by the run of pid {holder.get('pid')} on "
-                           f"{holder.get('host')} ({self.path}); wait for it to end or choose another "
-                           "--config.workdir (delete the lock only if that run is gone).") from None
-        self.path.unlink(missing_ok=True)  # stale (its process is gone) or torn: take it over
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as error:
+        os.close(fd)
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+          raise
+        raise ValueError(self._in_use(self._holder())) from None
+      if not self._is_at_path(fd):  # locked a file its holder unlinked as it left: lock the new one
+        os.close(fd)
+        continue
+      holder = self._holder()
+      if holder is not None and holder.get("host") != socket.gethostname():
+        # A lock written on another host whose flock we could take: that host's run may still be
+        # alive on a filesystem that does not share flocks between hosts, so only a person can tell.
+        os.close(fd)
+        raise ValueError(self._in_use(holder))
+      os.ftruncate(fd, 0)
+      os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+      self._fd = fd
     return self
 
-  def _holder(self) -> dict | None:
+  def _open(self) -> int:
     try:
-      return json.loads(self.path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+      return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+      raise ValueError(f"{self.path} is a folder, not a run's lock file; remove it or choose another "
+                       "--config.workdir.") from None
+    except OSError as error:
+      raise ValueError(f"{self.path} cannot be opened as the run's lock file ({error.strerror}); choose "
+                       "another --config.workdir.") from None
+
+  def _is_at_path(self, fd: int) -> bool:
+    try:
+      return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+      return False
+
+  def _in_use(self, holder: dict | None) -> str:
+    who = (f"the run of pid {holder.get('pid')} on {holder.get('host')}" if holder else
+           "another run (still starting: its lock names no holder yet)")
+    return (f"{self.path.parent} is in use by {who} ({self.path}); wait for it to end or choose another "
+            "--config.workdir (delete the lock only if that run is gone).")
+
+  def _holder(self) -> dict | None:
+    """Who the lock file names, or None when it names no one (being written, or not meshlm's)."""
+    try:
+      holder = json.loads(self.path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
       return None
+    return holder if isinstance(holder, dict) else None
 
   def __exit__(self, *exc_info):
-    if self._held:
+    if self._fd is not None:
+      # Unlinked while still held: a starter that opened this file meanwhile finds it gone from the
+      # path once it gets the flock, and locks a new one (`_is_at_path`).
       self.path.unlink(missing_ok=True)
-      self._held = False
-
-
-def _alive(pid) -> bool:
-  if not isinstance(pid, int):
-    return False
-  try:
-    os.kill(pid, 0)  # signal 0: only asks whether the process exists
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True  # it exists, under another user
-  return True
+      os.close(self._fd)
+      self._fd = None
