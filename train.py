@@ -75,6 +75,10 @@ def _parse_flags(argv):
     if "before a value for --config was specified" in message:
       message += ": give --config=FILE first, then the --config.<field>=<value> overrides that apply to it"
     sys.exit(f"error: {message}")
+  except SyntaxError as error:
+    # Python's own message points into the file; the loader's frames around it say nothing more.
+    sys.exit(f"error: the config file {error.filename!r} has a syntax error at line {error.lineno} "
+             f"({error.msg}); fix it, or give another such as configs/gpt2.py:tiny.")
   except OSError:
     # With overrides present the parser loads the file itself; a missing one raised two chained tracebacks.
     named = [arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")]

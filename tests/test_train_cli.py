@@ -61,3 +61,15 @@ def test_bad_input_is_one_line(flags, says, tmp_path):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
   assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize("overrides", [[], ["--config.steps=3"]], ids=["alone", "with overrides"])
+def test_a_config_file_with_a_syntax_error_is_one_line(overrides, tmp_path):
+  config_file = tmp_path / "broken.py"
+  config_file.write_text("def get_config(:\n  pass\n")
+  result = run_train(f"--config={config_file}", *overrides, f"--config.workdir={tmp_path / 'run'}")
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines() == [
+      f"error: the config file '{config_file}' has a syntax error at line 1 (invalid syntax); fix it, or "
+      "give another such as configs/gpt2.py:tiny."]
+  assert not (tmp_path / "run").exists()

@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_config
 from training import token_files
 from training.loop import train
+from training.validate import check_run
 
 # (overrides, what the one line must say); each is refused by training/validate.py or plan().
 BAD = [
@@ -68,15 +69,16 @@ def test_bad_setting_is_refused_in_one_line_and_nothing_is_written(tmp_path, ove
   assert not workdir.exists()
 
 
-def test_a_workdir_that_is_a_file_or_unwritable_is_refused(tmp_path, monkeypatch):
+def test_a_workdir_that_is_a_file_or_cannot_hold_files_is_refused(tmp_path):
   (tmp_path / "file").write_text("not a folder")
   with pytest.raises(ValueError, match="is a file, not a folder"):
     train(tiny_config(workdir=str(tmp_path / "file")))
-  # Permissions do not bind root, who runs CI: the check asks os.access, so ask it to say no.
-  monkeypatch.setattr(os, "access", lambda path, mode: False)
-  with pytest.raises(ValueError, match=rf"cannot be written \({tmp_path} is not writable\)"):
-    train(tiny_config(workdir=str(tmp_path / "run")))
-  assert not (tmp_path / "run").exists()
+  # /proc refuses every new file, even root's (who runs CI, and whom permission bits do not bind).
+  with pytest.raises(ValueError, match=r"^workdir='/proc/meshlm/run' cannot be written \(/proc cannot hold "
+                                       r"new files: .*\); choose another --config.workdir\.$"):
+    train(tiny_config(workdir="/proc/meshlm/run"))
+  check_run(tiny_config(workdir=str(tmp_path / "run")))
+  assert os.listdir(tmp_path) == ["file"]  # the probe leaves nothing behind
 
 
 def test_data_too_short_for_one_batch_is_refused_before_compiling(tmp_path):

@@ -8,6 +8,7 @@ the value and what would work.
 import importlib.util
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from parallel.schedules import SCHEDULES
@@ -100,6 +101,10 @@ def _check_workdir(workdir: str) -> None:
   if path.exists() and not path.is_dir():
     raise ValueError(f"workdir={workdir!r} is a file, not a folder; choose another --config.workdir.")
   existing = next(p for p in (path, *path.parents) if p.exists())  # the folder it will be made in
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f"workdir={workdir!r} cannot be written ({existing} is not writable); choose "
-                     "another --config.workdir.")
+  # Making (and removing) a folder there is the only sure test: permission bits say nothing to root,
+  # and some filesystems (/proc, /sys) refuse every new file whatever they say.
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=existing))
+  except OSError as error:
+    raise ValueError(f"workdir={workdir!r} cannot be written ({existing} cannot hold new files: "
+                     f"{error.strerror}); choose another --config.workdir.") from None
