@@ -14,9 +14,3 @@ def split(x_B, count: int, mesh):
   x_bkX = x_B.reshape(x_B.shape[0] // count, count, *x_B.shape[1:])
   x_kbX = jnp.swapaxes(x_bkX, 0, 1)
   return rules.constrain(x_kbX, mesh, (None, "batch", "length", *(None,) * (x_B.ndim - 2)))
-
-
-def merge(x_kbX):
-  """The inverse of `split`."""
-  x_bkX = jnp.swapaxes(x_kbX, 0, 1)
-  return x_bkX.reshape(-1, *x_bkX.shape[2:])

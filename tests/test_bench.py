@@ -1,6 +1,7 @@
 """tools/bench.py end to end on the tiny model, with peers; its search, specs, presets and layouts."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,10 +139,14 @@ def test_xla_presets_are_flags_this_jaxlib_knows():
 
 
 @pytest.mark.parametrize("layout", bench_runs.CPU_LAYOUTS, ids=lambda layout: f"{layout[0]}: {layout[1]}")
-def test_cpu_layouts_plan(layout):
-  _, _, spec, overrides, devices = layout
+def test_cpu_layouts_plan_as_their_labels_say(layout):
+  _, label, spec, overrides, devices = layout
   config = bench_runs.build_config(spec, [(k, str(v)) for k, v in overrides.items()], batch=32, seq_len=128)
-  assert plan(config, jax.devices()[:devices]).mesh.size == devices
+  planned = plan(config, jax.devices()[:devices])
+  # The table's rows are read by their labels: "data=4 x tensor=2" must be the mesh the plan built.
+  labelled = {axis: int(size) for axis, size in re.findall(r"(\w+)=(\d+)", label) if axis in planned.mesh.shape}
+  assert dict(planned.mesh.shape) == {axis: labelled.get(axis, 1) for axis in planned.mesh.shape}
+  assert planned.schedule == (re.search(r"gpipe|1f1b|interleaved", label) or ["none"])[0]
 
 
 @pytest.mark.parametrize("args, says", [

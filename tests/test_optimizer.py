@@ -79,14 +79,22 @@ def test_adamw_shrinks_only_the_decayed_parameters_over_several_steps():
   jax.tree_util.tree_map_with_path(check, params, decay_mask(params, config))
 
 
-def update(name, grad, weight, **overrides):
+def updates(name, grads, weight, **overrides) -> list[float]:
+  """The updates of successive steps that see `grads`, the weight held at `weight`."""
   config = tiny_config(**{"optimizer.name": name, "optimizer.lr": 0.1, "optimizer.weight_decay": 0.5,
                           "optimizer.clip_norm": 0.0,
                           "schedule.warmup_steps": 0, "schedule.decay": "constant", **overrides})
   params = {"kernel": jnp.array([weight])}
   tx = make_optimizer(config, params)
-  updates, _ = tx.update({"kernel": jnp.array([grad])}, tx.init(params), params)
-  return float(updates["kernel"][0])
+  opt_state, seen = tx.init(params), []
+  for grad in grads:
+    step, opt_state = tx.update({"kernel": jnp.array([grad])}, opt_state, params)
+    seen.append(float(step["kernel"][0]))
+  return seen
+
+
+def update(name, grad, weight, **overrides) -> float:
+  return updates(name, [grad], weight, **overrides)[0]
 
 
 def test_adamw_decouples_decay_from_the_adaptive_step():
@@ -98,8 +106,11 @@ def test_adamw_decouples_decay_from_the_adaptive_step():
 
 
 def test_sgd_and_momentum():
-  np.testing.assert_allclose(update("sgd", 2.0, 4.0), -0.2, rtol=1e-6)
-  np.testing.assert_allclose(update("momentum", 2.0, 4.0), -0.2, rtol=1e-6)
+  # From zero velocity momentum's first step is SGD's; the second carries 0.9 of the first along.
+  np.testing.assert_allclose(updates("sgd", [2.0, 2.0], 4.0), [-0.2, -0.2], rtol=1e-6)
+  np.testing.assert_allclose(updates("momentum", [2.0, 2.0], 4.0), [-0.2, -0.2 * 1.9], rtol=1e-6)
+  np.testing.assert_allclose(updates("momentum", [2.0, 0.0], 4.0, **{"optimizer.momentum": 0.5}), [-0.2, -0.1],
+                             rtol=1e-6)
 
 
 def test_clipping_bounds_the_global_norm():

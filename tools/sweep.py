@@ -42,7 +42,6 @@ from training.state import model_config  # pylint: disable=wrong-import-position
 from training.validate import check_run  # pylint: disable=wrong-import-position
 
 MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
-METRICS = ("final train loss", "final val loss", "tokens/s", "MFU", "peak MiB/device", "wall s")
 
 
 def parse_grid(entries: list[str]) -> tuple:
