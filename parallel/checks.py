@@ -14,6 +14,9 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   tensor, data_parallel = shape[TENSOR], shape[DATA] * shape[EXPERT]
   if zero not in (0, 1, 3):
     raise ValueError(f"sharding.zero={zero} is not a ZeRO stage meshlm runs; use 0, 1 or 3 (FSDP).")
+  # Checked whatever mesh.pipeline is: a typo should not wait for the day pipelining is turned on.
+  if pipeline is not None and pipeline.schedule not in SCHEDULES:
+    raise ValueError(f"pipeline.schedule={pipeline.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
   _divides("model.num_heads", model.num_heads, "mesh.tensor", tensor)
   _divides("model.mlp_dim", model.mlp_dim, "mesh.tensor", tensor)
   _divides("the padded vocabulary", model.padded_vocab, "mesh.tensor", tensor)
@@ -66,8 +69,6 @@ def _divides(what: str, value: int, axis: str, size: int) -> None:
 
 def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: int, pipeline) -> None:
   schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages
-  if schedule not in SCHEDULES:
-    raise ValueError(f"pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
   chunks = stages * (virtual if schedule == "interleaved" else 1)
   if model.num_layers % chunks:
     raise ValueError(

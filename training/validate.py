@@ -11,7 +11,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from parallel.schedules import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
 FAULT_TOLERANCE = ("none", "survive")
@@ -66,8 +65,8 @@ def check_run(config) -> None:
   _finite_non_negative(config, "optimizer.lr", "the peak learning rate")
   _finite_non_negative(config, "optimizer.clip_norm", "0 turns clipping off")
   _finite_non_negative(config, "optimizer.weight_decay", "0 turns decay off")
-  # Checked whichever optimizer runs, as pipeline.schedule is below. A decay rate of 1 or more never
-  # forgets (b2=1 divides by zero at the first step); a negative one flips the sign of what it keeps.
+  # Checked whichever optimizer runs. A decay rate of 1 or more never forgets (b2=1 divides by zero
+  # at the first step); a negative one flips the sign of what it keeps.
   _in_range(config, "optimizer.b1", 0, 1, closed=False, what="the gradient mean's decay per step; 0.9 is usual")
   _in_range(config, "optimizer.b2", 0, 1, closed=False,
             what="the squared gradient's decay per step; 0.95 or 0.999 is usual")
@@ -87,10 +86,6 @@ def check_run(config) -> None:
   _at_least(config, "distributed.heartbeat_seconds", 1)
   if config.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use {' or '.join(NONFINITE_POLICIES)}.")
-  # Checked whatever mesh.pipeline is: a typo should not wait for the day pipelining is turned on.
-  if config.pipeline.schedule not in SCHEDULES:
-    raise ValueError(f"pipeline.schedule={config.pipeline.schedule!r} is unknown; use one of "
-                     f"{', '.join(SCHEDULES)}.")
   _check_workdir(config.workdir)
 
 
