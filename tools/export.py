@@ -10,7 +10,9 @@ device, whatever mesh wrote them, and writes config.json and model.safetensors
 comes from the config saved with the checkpoint. When the run's text went
 through a Hugging Face tokenizer (init_from=hf:DIR with DIR's tokenizer, or
 token data prepared with --tokenizer=hf:DIR), its files are copied in too, so
-transformers opens the export as a complete model.
+transformers opens the export as a complete model. An --output that is not new or
+empty, or that cannot be written, is refused in one line before the checkpoint
+is read; a write that fails midway (a full disk) leaves nothing behind.
 """
 
 import sys

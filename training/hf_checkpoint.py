@@ -32,6 +32,7 @@ from training.state import Layout, model_config
 SCHEME = "hf:"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # names the file of each tensor when save_pretrained shards
+RESAVE = "load the model in transformers and save_pretrained it again"  # what mends a damaged directory
 
 
 class HFCheckpoint:
@@ -112,42 +113,67 @@ def open_checkpoint(path: str) -> HFCheckpoint:
   if not config_file.is_file():
     raise ValueError(f"{directory} holds no config.json; give a directory written by transformers' "
                      "save_pretrained.")
-  try:
-    hf = json.loads(config_file.read_text())
-  except json.JSONDecodeError as error:
-    raise ValueError(f"{config_file} is not valid JSON ({error}).") from None
-  fields, tied = hf_mapping.model_fields(hf, str(config_file))
+  fields, tied = hf_mapping.model_fields(_json_object(config_file), str(config_file))
   files = _tensor_files(directory)
   shapes = {}
   for file in sorted(set(files.values())):
-    try:
-      with safe_open(file, framework="np") as f:
-        shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    except (SafetensorError, OSError) as error:
-      raise ValueError(f"{file} cannot be read as safetensors ({error}).") from None
+    held = _stored_shapes(file)
+    stray = next((name for name, f in files.items() if f == file and name not in held), None)
+    if stray is not None:
+      raise ValueError(f"{directory / WEIGHTS_INDEX} puts {stray} in {file}, which does not hold it; "
+                       f"{RESAVE}.")
+    shapes.update(held)
   return HFCheckpoint(directory, fields, tied, files, shapes)
+
+
+def _json_object(file: Path) -> dict:
+  """The JSON object `file` holds, or a ValueError naming the file."""
+  try:
+    value = json.loads(file.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise ValueError(f"{file} cannot be read as JSON ({error}); {RESAVE}.") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{file} holds a JSON {type(value).__name__}, not an object; {RESAVE}.")
+  return value
+
+
+def _stored_shapes(file: str) -> dict:
+  """Tensor name -> shape, from a safetensors header that safetensors has checked against the file's size."""
+  try:
+    with safe_open(file, framework="np") as f:
+      return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+  except (SafetensorError, OSError) as error:
+    raise ValueError(f"{file} cannot be read as safetensors ({error}): it is truncated or damaged; download "
+                     f"it again, or {RESAVE}.") from None
 
 
 def _tensor_files(directory: Path) -> dict:
   """Tensor name -> the safetensors file holding it (one file, or several named by the index)."""
   index = directory / WEIGHTS_INDEX
   if index.is_file():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    # An index is data from elsewhere: a file it names must resolve inside the directory.
-    inside = directory.resolve()
-    outside = sorted({f for f in weight_map.values() if not (directory / f).resolve().is_relative_to(inside)})
-    if outside:
-      raise ValueError(f"{index} names {outside[0]}, which lies outside {directory}; an index may only "
-                       "name files in its own directory.")
+    weight_map = _json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      given = "missing" if weight_map is None else f"a JSON {type(weight_map).__name__}"
+      raise ValueError(f"{index}'s weight_map is {given}, not an object from tensor names to file names; "
+                       f"{RESAVE}.")
+    for name, file in weight_map.items():
+      if not isinstance(file, str) or not file:
+        raise ValueError(f"{index} gives {name} the file {file!r}, not a file name; {RESAVE}.")
+      # An index is data from elsewhere, so its names are checked as written: links in the directory
+      # are followed, as transformers does (the hub cache links each file to ../../blobs/<hash>).
+      if Path(file).is_absolute() or ".." in Path(file).parts:
+        raise ValueError(f"{index} names {file}, which lies outside {directory}; an index may only "
+                         "name files in its own directory (relative names without '..').")
     absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
     if absent:
-      raise ValueError(f"{index} names {absent[0]}, which is not in {directory}.")
+      raise ValueError(f"{index} names {absent[0]}, which is not in {directory}; download it again, or "
+                       f"{RESAVE}.")
     return {name: str(directory / f) for name, f in weight_map.items()}
-  if not (directory / WEIGHTS).is_file():
+  weights = directory / WEIGHTS
+  if not weights.is_file():
     raise ValueError(f"{directory} holds no {WEIGHTS} (pytorch_model.bin is not read: load it in "
                      "transformers and save_pretrained it again, which writes safetensors).")
-  with safe_open(directory / WEIGHTS, framework="np") as f:
-    return {name: str(directory / WEIGHTS) for name in f.keys()}
+  return dict.fromkeys(_stored_shapes(str(weights)), str(weights))
 
 
 def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
@@ -209,8 +235,14 @@ def tied_head(cfg: ModelConfig, params: dict) -> bool:
 
 
 def check_new_directory(directory: str) -> Path:
-  """`directory`, resolved, if it does not exist or is empty: export never writes over anything."""
+  """`directory`, resolved, if it can be written and is new or empty: export never writes over anything."""
   target = Path(directory).expanduser().resolve()
+  # The export is written beside the target, in the nearest folder that exists, then renamed onto it.
+  folders = [target, target.parent] if target.is_dir() else [next(p for p in target.parents if p.exists())]
+  unwritable = next((f for f in folders if not os.access(f, os.R_OK | os.W_OK | os.X_OK)), None)
+  if unwritable is not None:
+    raise ValueError(f"{target} cannot be written ({unwritable} is not writable); export to a folder you "
+                     "can write in.")
   if target.exists() and (not target.is_dir() or any(target.iterdir())):
     raise ValueError(f"{target} already exists and is not an empty directory; export writes a new one.")
   return target
@@ -238,18 +270,26 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
     for layer, array in layers:
       hf.setdefault(tensor.name.format(layer=layer),
                     _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
-  target.parent.mkdir(parents=True, exist_ok=True)
-  partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+  made = [p for p in target.parents if not p.exists()]  # folders made for the export, innermost first
   try:
-    save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
-    (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied, dtype), indent=2) + "\n")
-    for path in beside:
-      shutil.copyfile(path, partial / path.name)
-    os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
-    os.chmod(partial, 0o755)
-    partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
-  finally:
-    shutil.rmtree(partial, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+      save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
+      (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied, dtype), indent=2) + "\n")
+      for path in beside:
+        shutil.copyfile(path, partial / path.name)
+      os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
+      os.chmod(partial, 0o755)
+      partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
+    finally:
+      shutil.rmtree(partial, ignore_errors=True)
+  except OSError as error:  # a full disk, or permissions that changed since check_new_directory
+    for folder in made:
+      with contextlib.suppress(OSError):
+        folder.rmdir()
+    raise ValueError(f"writing {target} failed ({error}), so nothing was written; make room or export "
+                     "to another folder.") from None
   return target
 
 
