@@ -1,11 +1,11 @@
 """Tests for training/data.py, training/tokenizer.py and tools/prepare.py."""
 
 import os
-import re
 
 # Eight simulated CPU devices, set before jax is imported (a conftest.py may set it first).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import json
 import subprocess
 import sys
 import threading
@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import tiny_config
 from tools import prepare
 from training import data, token_files, tokenizer
+from training.loop import train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 B, T = 8, 16
@@ -268,12 +270,61 @@ def test_ids_outside_the_vocabulary_are_refused_by_offset(tmp_path):
     token_files.write_token_folder(tmp_path / "out", [np.array([1, 2]), np.array([3, 256, 300])],
                                    tokenizer="byte", vocab_size=256, val_fraction=0.1)
   assert not (tmp_path / "out" / "meta.json").exists()
-  tokens = np.arange(200, 1000, dtype=np.uint16)  # what a folder written with another tokenizer holds
-  split = data.TokenSplit("train", tokens, 256, "byte", "folder")
-  with pytest.raises(ValueError, match=r"^token id \d+ in folder/train.bin at token \d+ is outside") as refused:
-    rows(split, step=0)
-  bad_id, offset = map(int, re.findall(r"\d+", str(refused.value))[:2])
-  assert bad_id >= 256 and tokens[offset] == bad_id  # the offset points at the id it names
+
+
+def write_foreign_ids(folder: Path, ids: dict[int, int]) -> None:
+  """Writes `ids` (offset: id) into folder's train.bin, as a file another tokenizer wrote would hold them."""
+  tokens = np.memmap(folder / "train.bin", np.uint16, mode="r+")
+  for offset, token_id in ids.items():
+    tokens[offset] = token_id
+  tokens.flush()
+
+
+def test_ids_past_the_vocabulary_stop_a_run_before_it_writes_anything(tmp_path):
+  write_corpus(tmp_path / "text")
+  prepare.prepare(tmp_path / "text", tmp_path / "out")
+  write_foreign_ids(tmp_path / "out", {700: 300, 750: 400})
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=rf"^token id 300 in {tmp_path}/out/train.bin at token 700 is outside the "
+                                       r"vocabulary \[0, 256\); re-tokenize with the tokenizer meta.json names\.$"):
+    train(tiny_config(**{"data.source": "tokens", "data.path": str(tmp_path / "out"), "workdir": str(workdir),
+                         "eval_every": 0, "sample_tokens": 0}))
+  assert not workdir.exists()  # no metrics.jsonl, no TensorBoard folder, no lock
+
+
+def test_a_token_file_is_scanned_once_per_version(tmp_path):
+  write_corpus(tmp_path / "text")
+  prepare.prepare(tmp_path / "text", tmp_path / "out")
+  train_bin = tmp_path / "out" / "train.bin"
+  data.open_split(data_config(path=tmp_path / "out"), "train", vocab_size=256)
+  before = train_bin.stat()
+  assert json.loads((tmp_path / "out" / token_files.IDS_CHECKED).read_text()) == {
+      "train.bin": {"size": before.st_size, "mtime_ns": before.st_mtime_ns, "vocab_size": 256}}
+  write_foreign_ids(tmp_path / "out", {5: 300})
+  os.utime(train_bin, ns=(before.st_atime_ns, before.st_mtime_ns))  # the recorded version, so not read again
+  data.open_split(data_config(path=tmp_path / "out"), "train", vocab_size=256)
+  os.utime(train_bin)  # another version: scanned
+  with pytest.raises(ValueError, match=r"^token id 300 in .*/out/train.bin at token 5 is outside"):
+    data.open_split(data_config(path=tmp_path / "out"), "train", vocab_size=256)
+
+
+def test_a_read_only_token_folder_is_checked_every_time_and_left_as_it_is(tmp_path):
+  write_corpus(tmp_path / "text")
+  prepare.prepare(tmp_path / "text", tmp_path / "out")
+  view = tmp_path / "view"
+  view.mkdir()
+  if subprocess.run(["mount", "--bind", str(tmp_path / "out"), str(view)], capture_output=True).returncode:
+    pytest.skip("this machine does not let the tests mount a folder")
+  try:
+    subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+    listing = sorted(os.listdir(view))
+    data.open_split(data_config(path=view), "train", vocab_size=256)
+    assert sorted(os.listdir(view)) == listing  # no record, no temporary file
+    write_foreign_ids(tmp_path / "out", {5: 300})  # through the writable side
+    with pytest.raises(ValueError, match=r"^token id 300 in .*/view/train.bin at token 5 is outside"):
+      data.open_split(data_config(path=view), "train", vocab_size=256)
+  finally:
+    subprocess.run(["umount", "--lazy", str(view)], check=True)  # lazily: the memmaps may still be open
 
 
 def test_prepare_refuses_an_output_that_is_a_file(tmp_path):

@@ -2,8 +2,11 @@
 
 A folder holds train.bin and val.bin (flat little-endian token ids, uint16 when
 the vocabulary fits, else uint32) and meta.json naming the tokenizer and counts.
+The loader adds ids_checked.json, where it can: which versions of the .bin files
+it found within the vocabulary, so that each version is scanned once.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +18,8 @@ import numpy as np
 FOLDER_FILES = ("train.bin", "val.bin", "meta.json")  # in the order they are replaced
 META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
 PREPARE_COMMAND = "python tools/prepare.py --input TEXT_DIR --output {}"
+IDS_CHECKED = "ids_checked.json"
+SCAN_TOKENS = 2**24  # tokens per vectorised pass over a file: 32 or 64 MiB in memory at a time
 
 def token_dtype(vocab_size: int) -> np.dtype:
   """Little-endian uint16 when every id fits, else uint32."""
@@ -89,7 +94,8 @@ def read_meta(folder) -> dict:
 
 
 def open_tokens(folder, split: str) -> np.ndarray:
-  """The split's token ids as a read-only memmap, checked against meta.json."""
+  """The split's token ids as a read-only memmap, checked against meta.json: the count, and every id
+  within its vocabulary."""
   folder = Path(folder)
   meta = read_meta(folder)
   path, count = folder / f"{split}.bin", meta[f"{split}_tokens"]
@@ -100,4 +106,36 @@ def open_tokens(folder, split: str) -> np.ndarray:
                      "--overwrite`.")
   if count == 0:
     return np.zeros(0, dtype)  # np.memmap refuses empty files
-  return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+  tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+  check_file_ids(path, tokens, meta["vocab_size"])
+  return tokens
+
+
+def check_file_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+  """Refuses an id of `tokens` (path's contents) outside [0, vocab_size), before a run writes anything.
+
+  The scan reads the whole file, so one that passes is recorded in IDS_CHECKED beside it, keyed
+  by the file's size and mtime: the next run reads the record instead. A folder that cannot be
+  written is scanned every time.
+  """
+  record_path = path.parent / IDS_CHECKED
+  stat = path.stat()
+  version = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "vocab_size": vocab_size}
+  try:
+    records = dict(json.loads(record_path.read_text()))
+  except (OSError, ValueError, TypeError):  # no record yet, or a damaged one: scan
+    records = {}
+  if records.get(path.name) == version:
+    return
+  for first in range(0, len(tokens), SCAN_TOKENS):
+    chunk = tokens[first:first + SCAN_TOKENS]
+    if chunk.max() >= vocab_size:  # ids are unsigned: only too large is possible
+      check_ids(chunk, vocab_size, where=f"{path} at token {{}}", first=first)
+  records[path.name] = version
+  temp = record_path.with_name(f"{IDS_CHECKED}.tmp-{uuid.uuid4().hex}")
+  try:
+    temp.write_text(json.dumps(records, indent=2) + "\n")
+    os.replace(temp, record_path)
+  except OSError:  # a read-only folder, or a full disk: not recorded, so the next run scans again
+    with contextlib.suppress(OSError):  # a read-only file system refuses even to unlink a missing file
+      temp.unlink(missing_ok=True)
