@@ -9,7 +9,23 @@ REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention",
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
-NORM_EPS = {"gpt2": 1e-5, "llama": 1e-6}  # each family's published normalisation epsilon
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyTraits:
+  """What sets a model family apart, read by whatever depends on it (the feed-forward layer, the
+  estimator, the checkpoint mappings) instead of tests of the family's name."""
+
+  norm_eps: float  # the published normalisation epsilon
+  gated_mlp: bool  # SwiGLU's three matrices; otherwise a GELU MLP's two
+  biases: bool  # the linear layers carry biases
+  tied_head: bool  # the logits reuse the token table (vocab, embed); otherwise an (embed, vocab) head
+
+
+FAMILIES = {
+    "gpt2": FamilyTraits(norm_eps=1e-5, gated_mlp=False, biases=True, tied_head=True),
+    "llama": FamilyTraits(norm_eps=1e-6, gated_mlp=True, biases=False, tied_head=False),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +48,7 @@ class ModelConfig:
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
-  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (NORM_EPS)
+  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (FamilyTraits.norm_eps)
   num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
   moe_every: int = 1
   moe_top_k: int = 2
@@ -63,8 +79,12 @@ class ModelConfig:
     return self.kv_heads or self.num_heads
 
   @property
+  def traits(self) -> FamilyTraits:
+    return FAMILIES[self.family]
+
+  @property
   def epsilon(self) -> float:
-    return self.norm_eps or NORM_EPS[self.family]
+    return self.norm_eps or self.traits.norm_eps
 
   @property
   def padded_vocab(self) -> int:
@@ -74,7 +94,7 @@ class ModelConfig:
   def idle_expert_params(self) -> int:
     """Parameters of the E - k experts a token skips: they cost memory but no FLOPs (MFU leaves them out)."""
     d, f = self.embed_dim, self.mlp_dim
-    per_expert = 3 * d * f if self.family == "llama" else 2 * d * f + f + d
+    per_expert = (3 if self.traits.gated_mlp else 2) * d * f + (f + d if self.traits.biases else 0)
     return (self.num_experts - self.moe_top_k) * per_expert * self.moe_layers
 
   @property
@@ -87,6 +107,8 @@ class ModelConfig:
     return self.compute_dtype == "float8"
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"model.family={self.family!r} is unknown; use one of {', '.join(FAMILIES)}.")
     if self.embed_dim % self.num_heads:
       raise ValueError(
           f"model.embed_dim={self.embed_dim} is not divisible by model.num_heads={self.num_heads}; "
@@ -111,7 +133,7 @@ class ModelConfig:
                        "10000 is usual).")
     if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
       raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0 (0: the family's own, "
-                       + ", ".join(f"{eps:g} for {family}" for family, eps in NORM_EPS.items()) + ").")
+                       + ", ".join(f"{traits.norm_eps:g} for {family}" for family, traits in FAMILIES.items()) + ").")
     if not -1 <= self.document_end < self.vocab_size:
       raise ValueError(f"model.document_end={self.document_end} is not a token of the vocabulary of "
                        f"model.vocab_size={self.vocab_size}; use the tokenizer's end-of-text id, or -1 for no "

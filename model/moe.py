@@ -144,7 +144,7 @@ class MoE(nnx.Module):
     self.router = param(rngs, (d, e), ("embed", None))  # small: replicated, computed in float32
     self.up_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
     self.down_kernel = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=out_std)
-    self.gated = cfg.family == "llama"  # Llama's experts are SwiGLU, GPT-2's are GELU MLPs with biases
+    self.gated = cfg.traits.gated_mlp  # SwiGLU experts (Llama's), or GELU MLPs with biases (GPT-2's)
     if self.gated:
       self.gate_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
     else:

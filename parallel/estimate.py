@@ -28,7 +28,7 @@ import numpy as np
 
 from model import moe
 from model.attention import largest_divisor
-from model.config import VOCAB_MULTIPLE
+from model.config import FAMILIES, VOCAB_MULTIPLE
 from model.transformer import chunk_count, chunk_positions
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
@@ -150,9 +150,9 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
   Below float32 the step also keeps each layer's weight matrices cast to the
   compute dtype. XLA on the CPU keeps all of it; a fusing backend may keep less.
   """
-  c, f32, gpt2 = d.compute_bytes, 4, config.model.family == "gpt2"
-  heads = (4 * d.heads if gpt2 else 2 * d.heads + 2 * d.kv_heads) * d.head_dim * c
-  mlp = (5 if gpt2 else 6) * d.mlp * c
+  c, f32, gated = d.compute_bytes, 4, FAMILIES[config.model.family].gated_mlp
+  heads = (2 * d.heads + 2 * d.kv_heads) * d.head_dim * c  # queries, outputs; keys, values
+  mlp = (6 if gated else 5) * d.mlp * c
   scores = d.heads * (d.head_dim + 1) * f32 if d.blockwise else d.heads * d.keys * (3 * f32 + c)
   feed_forward = mlp + 3 * d.embed * f32
   per_token = 3 * d.embed * f32 + 2 * d.embed * c + heads + scores
@@ -163,7 +163,7 @@ def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
 def _mlp_inputs(config) -> int:
   """Hidden values per MLP position whose gradients its backward pass makes: GELU's input and output,
   SwiGLU's gate, up projection and their product."""
-  return 2 if config.model.family == "gpt2" else 3
+  return 3 if FAMILIES[config.model.family].gated_mlp else 2
 
 
 def _cast_weight_bytes(config, mesh, weights) -> int:
@@ -189,7 +189,7 @@ def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
     return 0  # the block input waits in host memory (host_memory); the device holds one layer's at a time
   if policy == "save_dots":
     # The block input and the weight matmuls' outputs: QKV, attention projection, MLP in (and gate) and out.
-    mlp_in = (1 if config.model.family == "gpt2" else 2) * d.mlp
+    mlp_in = (2 if FAMILIES[config.model.family].gated_mlp else 1) * d.mlp
     qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
     return d.activation_bytes(d.embed + qkv + 2 * d.embed + mlp_in)
   if policy == "save_attention":
@@ -338,7 +338,7 @@ def _gradients(config, mesh, weights, traffic):
   axis = rules.fsdp_axis(config.sharding)  # where ZeRO shards: `data`, or hybrid sharding's groups
   param_bytes = MASTER_BYTES
   token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
-  tied = config.model.family == "gpt2"
+  tied = FAMILIES[config.model.family].tied_head
   for w in weights:
     # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
     used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
@@ -488,7 +488,7 @@ def _is_matrix(w: Weight) -> bool:
 
 def _head(config, weights) -> list[Weight]:
   """The logits' weight: GPT-2's tied token table (vocab, embed), Llama's (embed, vocab) head; a lookup is no matmul."""
-  axes = ("vocab", "embed") if config.model.family == "gpt2" else ("embed", "vocab")
+  axes = ("vocab", "embed") if FAMILIES[config.model.family].tied_head else ("embed", "vocab")
   return [w for w in weights if w.axes == axes]
 
 

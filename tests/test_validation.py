@@ -40,6 +40,7 @@ BAD = [
     ({"precision.loss_scale_growth": 0}, r"precision.loss_scale_growth=0 must be an integer of at least 1"),
     ({"pipeline.virtual_stages": 0}, r"pipeline.virtual_stages=0 must be an integer of at least 1"),
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
+    ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
     ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
      r"1e-05 for gpt2, 1e-06 for llama\)"),

@@ -21,12 +21,12 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
-from model.config import ModelConfig  # pylint: disable=wrong-import-position
+from model.config import FAMILIES, ModelConfig  # pylint: disable=wrong-import-position
 from model.moe import AUX_LOSS, MoE  # pylint: disable=wrong-import-position
 from parallel import analysis  # pylint: disable=wrong-import-position
 
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024", "2048", "4096"], "Sequence lengths.")
-_FAMILY = flags.DEFINE_enum("family", "gpt2", ["gpt2", "llama"], "GELU experts (gpt2) or SwiGLU (llama).")
+_FAMILY = flags.DEFINE_enum("family", "gpt2", list(FAMILIES), "GELU experts (gpt2) or SwiGLU (llama).")
 _EMBED = flags.DEFINE_integer("embed", 768, "Model width D.")
 _MLP = flags.DEFINE_integer("mlp", 3072, "Expert hidden width F.")
 _EXPERTS = flags.DEFINE_integer("experts", 8, "Experts E.")
@@ -57,7 +57,7 @@ def compile_layer(cfg: ModelConfig, length: int):
 
 def active_params_per_token(cfg: ModelConfig) -> int:
   """The weights one token multiplies: k experts of 2 (GELU) or 3 (SwiGLU) matmuls, and the router."""
-  matmuls = 3 if cfg.family == "llama" else 2
+  matmuls = 3 if cfg.traits.gated_mlp else 2
   return cfg.moe_top_k * matmuls * cfg.embed_dim * cfg.mlp_dim + cfg.embed_dim * cfg.num_experts
 
 

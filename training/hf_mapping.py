@@ -22,7 +22,7 @@ Conventions bridged here (no I/O; training/hf_checkpoint.py reads and writes):
 import dataclasses
 import math
 
-from model.config import ModelConfig, NORM_EPS
+from model.config import FAMILIES, ModelConfig
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
@@ -140,7 +140,7 @@ def _gpt2_fields(hf: dict) -> dict:
   width = hf["n_embd"]
   return dict(family="gpt2", num_layers=hf["n_layer"], num_heads=hf["n_head"], kv_heads=0,
               embed_dim=width, mlp_dim=hf.get("n_inner") or 4 * width, max_len=hf["n_positions"],
-              vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", NORM_EPS["gpt2"]))
+              vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", FAMILIES["gpt2"].norm_eps))
 
 
 def _llama_fields(hf: dict, where: str) -> dict:
@@ -156,7 +156,7 @@ def _llama_fields(hf: dict, where: str) -> dict:
   return dict(family="llama", num_layers=hf["num_hidden_layers"], num_heads=heads,
               kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
               mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-              norm_eps=hf.get("rms_norm_eps", NORM_EPS["llama"]), rope_theta=float(rope["rope_theta"]))
+              norm_eps=hf.get("rms_norm_eps", FAMILIES["llama"].norm_eps), rope_theta=float(rope["rope_theta"]))
 
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
