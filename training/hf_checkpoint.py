@@ -228,7 +228,7 @@ def _layer_block(read, name: str, tensor: hf_mapping.Tensor, ranges: tuple, voca
 
 def tied_head(cfg: ModelConfig, params: dict) -> bool:
   """Whether the params' head equals the token embedding (always for GPT-2, whose head is the embedding)."""
-  if cfg.family == "gpt2":
+  if cfg.traits.tied_head:
     return True
   v = cfg.vocab_size
   return bool(np.array_equal(params["head"][:, :v], params["embed"][:v].T))

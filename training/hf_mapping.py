@@ -21,10 +21,10 @@ Conventions bridged here (no I/O; training/hf_checkpoint.py reads and writes):
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from model.config import FAMILIES, ModelConfig
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
 
 
@@ -48,7 +48,8 @@ def _same(name: str, *shape) -> Tensor:
   return Tensor(name, tuple((size,) for size in shape), tuple(range(len(shape))))
 
 
-def gpt2_tensors(cfg: ModelConfig) -> dict:
+def gpt2_tensors(cfg: ModelConfig, tied: bool) -> dict:
+  del tied  # GPT-2's head is always its token table
   d, n, h, f, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
   layer = "transformer.h.{layer}."
   return {
@@ -94,23 +95,21 @@ def llama_tensors(cfg: ModelConfig, tied: bool) -> dict:
 
 def tensors(cfg: ModelConfig, tied: bool) -> dict:
   """meshlm weight path -> Tensor, for the family of `cfg`."""
-  return gpt2_tensors(cfg) if cfg.family == "gpt2" else llama_tensors(cfg, tied)
+  return MAPPINGS[cfg.family].tensors(cfg, tied)
 
 
 def model_fields(hf: dict, where: str) -> tuple[dict, bool]:
   """(`config.model` fields, tied embeddings) from a config.json, or a ValueError naming what meshlm cannot run."""
   architectures = hf.get("architectures") or []
-  family = next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
-  if family is None:
+  mapping = next((m for m in MAPPINGS.values() if m.architecture in architectures), None)
+  if mapping is None:
     raise ValueError(f"{where} declares architectures {architectures}; meshlm imports "
-                     f"{' and '.join(ARCHITECTURES)} checkpoints.")
-  _refuse(hf, where, _GPT2_REFUSED if family == "gpt2" else _LLAMA_REFUSED)
+                     f"{' and '.join(m.architecture for m in MAPPINGS.values())} checkpoints.")
+  _refuse(hf, where, mapping.refused)
   try:
-    if family == "gpt2":
-      return _gpt2_fields(hf), True
-    return _llama_fields(hf, where), bool(hf.get("tie_word_embeddings", False))
+    return mapping.fields(hf, where), mapping.tied(hf)
   except KeyError as missing:
-    raise ValueError(f"{where} lacks the field {missing}, which a {architectures[0]} config needs.") from None
+    raise ValueError(f"{where} lacks the field {missing}, which a {mapping.architecture} config needs.") from None
 
 
 # (field, its default in transformers, what meshlm computes instead when it differs)
@@ -136,7 +135,8 @@ def _refuse(hf: dict, where: str, refused) -> None:
       raise ValueError(f"{where} sets {field}={value!r}, but meshlm computes {meshlm}.")
 
 
-def _gpt2_fields(hf: dict) -> dict:
+def _gpt2_fields(hf: dict, where: str) -> dict:
+  del where  # every GPT-2 config.json meshlm reads is complete once _refuse has passed it
   width = hf["n_embd"]
   return dict(family="gpt2", num_layers=hf["n_layer"], num_heads=hf["n_head"], kv_heads=0,
               embed_dim=width, mlp_dim=hf.get("n_inner") or 4 * width, max_len=hf["n_positions"],
@@ -161,13 +161,20 @@ def _llama_fields(hf: dict, where: str) -> dict:
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
   """A config.json that transformers builds the same model from, with `dtype` weights."""
-  if cfg.family == "gpt2":
-    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
+  return MAPPINGS[cfg.family].config(cfg, tied, dtype)
+
+
+def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  del tied  # always tied
+  return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
                 n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
                 vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
                 # meshlm trains without dropout; unwritten, transformers would fill in GPT-2's 0.1.
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
                 tie_word_embeddings=True, dtype=dtype)
+
+
+def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
@@ -176,3 +183,23 @@ def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
               rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
               tie_word_embeddings=tied, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyMapping:
+  """One model family's Hugging Face conversion: adding a family adds one of these."""
+
+  architecture: str  # config.json's `architectures` entry
+  refused: tuple  # (field, transformers' default, what meshlm computes instead)
+  fields: Callable[[dict, str], dict]  # config.json -> config.model fields
+  tied: Callable[[dict], bool]  # whether config.json ties the head to the token table
+  tensors: Callable[[ModelConfig, bool], dict]  # meshlm weight path -> Tensor
+  config: Callable[[ModelConfig, bool, str], dict]  # config.model -> config.json
+
+
+MAPPINGS = {
+    "gpt2": FamilyMapping("GPT2LMHeadModel", _GPT2_REFUSED, _gpt2_fields, lambda hf: True, gpt2_tensors,
+                          _gpt2_config),
+    "llama": FamilyMapping("LlamaForCausalLM", _LLAMA_REFUSED, _llama_fields,
+                           lambda hf: bool(hf.get("tie_word_embeddings", False)), llama_tensors, _llama_config),
+}
