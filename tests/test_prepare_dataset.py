@@ -60,10 +60,10 @@ def test_parallel_workers_write_the_same_tokens_in_order(tmp_path):
 
 @pytest.mark.parametrize("make, dataset, field, message", [
     (lambda d: write_jsonl(d / "r.jsonl", DOCUMENTS), "{d}/r.jsonl", "body",
-     r"has no field 'body'; its fields are id, text: pass one as --text_field"),
+     r"^record 0 of .*/r.jsonl has no field 'body'; its fields are id, text: pass one as --text_field"),
     (lambda d: None, "no-such-owner/no-such-dataset", "text", r"is neither a local file or folder nor a dataset"),
     (lambda d: write_jsonl(d / "r.jsonl", DOCUMENTS), "{d}/r.jsonl", "id",
-     r"record 0 has a int in 'id', not text; pass the field that holds each document's text"),
+     r"^record 0 of .*/r.jsonl has a int in 'id', not text; pass the field that holds each document's text"),
     (lambda d: (d / "mixed").mkdir() or write_jsonl(d / "mixed" / "a.jsonl", DOCUMENTS)
      or (d / "mixed" / "b.txt").write_text("x"), "{d}/mixed", "text", r"mixes formats \(json, text\)"),
 ])

@@ -4,13 +4,19 @@ A local file or folder of parquet, jsonl/json, arrow, csv or text files (one
 format per dataset; a text file's rows are its lines), or, on a machine that
 reaches the hub, a dataset's name. Everything is streamed, so a corpus larger
 than memory works; JSON and parquet are read as records, never as raw text.
+Files are read one at a time, so that a refusal names the file and the record:
+one without the field, one that is not UTF-8, a file unlike its format.
 """
 
+import functools
+import itertools
 from pathlib import Path
 from typing import Iterator
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv",
            ".txt": "text"}
+DECODED_AS_READ = ("text", "csv")  # the builders that decode a file as they read it
+LOCATE_BATCH = 1000  # records per table while looking for the one that is not UTF-8
 
 
 def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterator[str]:
@@ -20,33 +26,80 @@ def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterat
   except ImportError as error:
     raise ValueError(f"--dataset={dataset} needs the `datasets` package: pip install -e '.[data]'.") from error
   datasets.disable_progress_bars()
+  datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its log would repeat a refusal over lines
   path = Path(dataset).expanduser()
+  if path.exists():
+    builder, files = _local_files(path)
+    # A file at a time, so that a refusal names the file it is about.
+    sources = [(str(file), builder, functools.partial(datasets.load_dataset, builder, data_files=[str(file)],
+                                                      split="train", streaming=True)) for file in files]
+  else:
+    sources = [(dataset, None, functools.partial(datasets.load_dataset, dataset, split=split, streaming=True))]
+  texts = _texts(sources, text_field)
   try:
-    if path.exists():
-      builder, files = _local_files(path)
-      records = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
-    else:
-      records = datasets.load_dataset(dataset, split=split, streaming=True)
-    first = next(iter(records), None)
+    first = next(texts, None)
   except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
     raise ValueError(f"--dataset={dataset} is neither a local file or folder nor a dataset the hub serves to "
                      f"this machine ({type(error).__name__}); give a path to parquet, jsonl, arrow, csv or "
                      "text files.") from error
   if first is None:
     raise ValueError(f"--dataset={dataset} holds no records.")
-  if text_field not in first:
-    raise ValueError(f"--dataset={dataset} has no field {text_field!r}; its fields are "
-                     f"{', '.join(sorted(first))}: pass one as --text_field.")
-  return _texts(records, dataset, text_field)
+  return itertools.chain([first], texts)
 
 
-def _texts(records, dataset: str, text_field: str) -> Iterator[str]:
-  for number, record in enumerate(records):
-    text = record[text_field]
-    if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
-      raise ValueError(f"--dataset={dataset} record {number} has a {type(text).__name__} in {text_field!r}, "
-                       "not text; pass the field that holds each document's text as --text_field.")
-    yield text or ""
+def _texts(sources, text_field: str) -> Iterator[str]:
+  """The texts of every (name, builder, load) in `sources`, in order; empty files are skipped."""
+  import pyarrow as pa  # a dependency of `datasets`
+  import pyarrow.parquet as pq
+  for name, builder, load in sources:
+    try:
+      # `datasets` fails on an empty file and on a parquet file of no rows; neither holds a document.
+      if builder and (Path(name).stat().st_size == 0
+                      or builder == "parquet" and pq.read_metadata(name).num_rows == 0):
+        continue
+      for number, record in enumerate(load()):
+        if text_field not in record:
+          raise ValueError(f"record {number} of {name} has no field {text_field!r}; its fields are "
+                           f"{', '.join(sorted(record))}: pass one as --text_field.")
+        text = record[text_field]
+        if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
+          raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {text_field!r}, not "
+                           "text; pass the field that holds each document's text as --text_field.")
+        yield text or ""
+    except UnicodeDecodeError as error:
+      number = _first_not_utf8(load, builder)
+      raise ValueError(f"{name if number is None else f'record {number} of {name}'} is not UTF-8 (byte "
+                       f"{error.object[error.start]:#04x}: {error.reason}); re-encode the file as UTF-8, or drop "
+                       "that record.") from None
+    except pa.ArrowInvalid as error:
+      raise ValueError(f"{name} cannot be read as {builder or 'a dataset'} "
+                       f"({str(error).splitlines()[0]}); give files in the format their names say.") from None
+
+
+def _first_not_utf8(load, builder: str | None) -> int | None:
+  """The number of the first record of `load()` that is not UTF-8, found by reading it again."""
+  # latin-1 gives every byte a character, so that text and csv files read through; the other
+  # builders hand their bytes on to arrow unchecked, and only converting them to Python decodes.
+  latin1 = builder in DECODED_AS_READ
+  options = {"encoding": "latin-1"} if latin1 else {}
+  number = 0
+  for table in load(**options).with_format("arrow").iter(batch_size=LOCATE_BATCH):
+    if not _decodes(table, latin1):
+      return number + next(row for row in range(table.num_rows) if not _decodes(table.slice(row, 1), latin1))
+    number += table.num_rows
+  return None  # not in a record: say, in a csv file's header
+
+
+def _decodes(table, latin1: bool) -> bool:
+  """Whether every text of `table` is UTF-8 (read as latin-1, when `latin1`)."""
+  try:
+    records = table.to_pylist()
+    if latin1:
+      for text in (value for record in records for value in record.values() if isinstance(value, str)):
+        text.encode("latin-1").decode("utf-8")
+  except UnicodeDecodeError:
+    return False
+  return True
 
 
 def _local_files(path: Path) -> tuple[str, list[Path]]:

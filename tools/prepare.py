@@ -28,7 +28,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags, logging  # pylint: disable=wrong-import-position
 from tqdm import tqdm  # pylint: disable=wrong-import-position
 
-from tools.dataset_texts import dataset_texts  # pylint: disable=wrong-import-position
+from tools.dataset_texts import FORMATS, dataset_texts  # pylint: disable=wrong-import-position
 from training import token_files, tokenizer  # pylint: disable=wrong-import-position
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
@@ -88,6 +88,10 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
 def folder_texts(input_dir, output_dir: Path):
   """The text files under `input_dir` as strings; refuses a folder without any before reading one."""
   input_dir = Path(input_dir).expanduser()
+  if input_dir.is_file():
+    raise ValueError(f"--input={input_dir} is a file; --input takes a folder of text files (each one a "
+                     f"document), --dataset a file or folder of records ({' '.join(FORMATS)}) with "
+                     "--text_field naming the field that holds the text.")
   if not input_dir.is_dir():
     raise ValueError(f"Input folder {input_dir} does not exist.")
   # A dataset inside its own input folder must not be read back in on the next run.

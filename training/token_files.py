@@ -7,6 +7,7 @@ it found within the vocabulary, so that each version is scanned once.
 """
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -51,8 +52,8 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
       for chunk in token_chunks:
         chunk = np.asarray(chunk)
         check_ids(chunk, vocab_size, where=f"the tokenizer's output at token {{}} of {folder}", first=total)
+        total += len(chunk)  # before the write, so that a full disk's message counts this chunk
         out.write(chunk.astype(dtype).tobytes())
-        total += len(chunk)
     val_tokens = int(round(total * val_fraction))
     train_tokens = total - val_tokens
     # Copy the tail to val.bin, then cut it off: the train tokens are written only once.
@@ -66,11 +67,17 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
     for name, temp in temps.items():  # meta.json last: it vouches for the .bin files
       os.replace(temp, folder / name)
     return meta
-  except BaseException:
+  except BaseException as error:
     for temp in temps.values():
       temp.unlink(missing_ok=True)
     if created and not any(folder.iterdir()):
       folder.rmdir()
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+      raise ValueError(f"the disk holding {folder} is full ({error.strerror}): the tokens need at least "
+                       f"{total * dtype.itemsize / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; "
+                       "nothing was written and the folder is as it was: make room, then run the same command "
+                       "again.") from None
     raise
 
 

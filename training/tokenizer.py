@@ -78,13 +78,21 @@ class HfTokenizer:
       raise ValueError(f"tokenizer hf:{directory} has no tokenizer.json; give a directory that holds one "
                        "(a Hugging Face model's), or use byte or gpt2.")
     self.name, self.folder = f"hf:{folder}", folder
-    self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    try:
+      self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as error:  # the tokenizers library raises a bare Exception
+      raise ValueError(f"tokenizer hf:{directory}: {folder / 'tokenizer.json'} does not parse ({error}); "
+                       "give the tokenizer.json that Tokenizer.save or save_pretrained writes.") from None
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
     self.end_of_text = self._end_of_text()
 
   def _end_of_text(self) -> int:
     config_file = self.folder / "tokenizer_config.json"
-    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+    try:
+      eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+    except (ValueError, AttributeError) as error:  # not JSON, or not an object
+      raise ValueError(f"tokenizer {self.name}: {config_file} is not a JSON object ({error}); give the "
+                       "tokenizer_config.json that save_pretrained writes.") from None
     eos = eos.get("content") if isinstance(eos, dict) else eos
     for token in ([eos] if eos else []) + list(self.END_OF_TEXT):
       if (token_id := self._tokenizer.token_to_id(token)) is not None:

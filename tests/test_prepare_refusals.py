@@ -1,0 +1,109 @@
+"""tools/prepare.py refuses what it cannot tokenize in one line, writes nothing, and loses no dataset already there."""
+
+import re
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, models
+
+from test_data import REPO_ROOT, write_corpus
+from test_faults import small_disk  # noqa: F401  (a fixture, used by name)
+from tools import prepare
+
+NOT_UTF8 = [b"fine", b"also fine", b"caf\xff au lait", b"fine again"]  # record 2 is not UTF-8
+
+
+def parquet_of(path, values, type_=pa.string()):
+  """Writes `values` (bytes) as the text column, unvalidated: a string column may hold what is not UTF-8."""
+  raw = pa.array(values, pa.binary())
+  pq.write_table(pa.table({"text": pa.Array.from_buffers(type_, len(raw), raw.buffers())}), path)
+
+
+def tokenizer_with_a_bad_config(d):
+  (d / "tok").mkdir()
+  Tokenizer(models.WordLevel({"a": 0, "<|endoftext|>": 1}, unk_token="a")).save(str(d / "tok" / "tokenizer.json"))
+  (d / "tok" / "tokenizer_config.json").write_text('{"eos_token": ')
+
+
+def bad_parquet_folder(d):
+  (d / "shards").mkdir()
+  parquet_of(d / "shards" / "a.parquet", [b"first shard"] * 3)
+  parquet_of(d / "shards" / "b.parquet", NOT_UTF8)
+
+
+CASES = {  # name: (make the input under d, the flags, the refusal)
+    "a parquet file as --input": (
+        lambda d: parquet_of(d / "records.parquet", [b"text"]), ["--input={d}/records.parquet"],
+        r"--input=.*/records\.parquet is a file; --input takes a folder of text files \(each one a document\), "
+        r"--dataset a file or folder of records \(\.parquet .*\) with --text_field"),
+    "a tokenizer.json that does not parse": (
+        lambda d: (d / "tok").mkdir() or (d / "tok" / "tokenizer.json").write_text('{"model": '),
+        ["--input={d}/text", "--tokenizer=hf:{d}/tok"],
+        r"tokenizer hf:.*/tok: .*/tok/tokenizer\.json does not parse \(EOF while parsing a value at line 1 "
+        r"column 10\); give the tokenizer\.json that Tokenizer\.save or save_pretrained writes\."),
+    "a tokenizer_config.json that is not JSON": (
+        tokenizer_with_a_bad_config, ["--input={d}/text", "--tokenizer=hf:{d}/tok"],
+        r"tokenizer hf:.*/tok: .*/tok/tokenizer_config\.json is not a JSON object \(Expecting value: line 1 "
+        r"column 15 \(char 14\)\); give the tokenizer_config\.json that save_pretrained writes\."),
+    "a parquet file of no rows": (
+        lambda d: parquet_of(d / "empty.parquet", []), ["--dataset={d}/empty.parquet"],
+        r"--dataset=.*/empty\.parquet holds no records\."),
+    "jsonl not UTF-8, two workers": (
+        lambda d: (d / "r.jsonl").write_bytes(b"".join(b'{"text": "%s"}\n' % v for v in NOT_UTF8)),
+        ["--dataset={d}/r.jsonl", "--workers=2"], r"record 2 of .*/r\.jsonl is not UTF-8"),
+    "a parquet folder's second file not UTF-8": (
+        bad_parquet_folder, ["--dataset={d}/shards"], r"record 2 of .*/shards/b\.parquet is not UTF-8"),
+    "lines not UTF-8": (
+        lambda d: (d / "r.txt").write_bytes(b"\n".join(NOT_UTF8)), ["--dataset={d}/r.txt"],
+        r"record 2 of .*/r\.txt is not UTF-8"),
+    "csv not UTF-8": (
+        lambda d: (d / "r.csv").write_bytes(b"text\n" + b"\n".join(NOT_UTF8)), ["--dataset={d}/r.csv"],
+        r"record 2 of .*/r\.csv is not UTF-8"),
+}
+
+
+def snapshot(folder):
+  return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def refusal(result) -> str:
+  """The line prepare.py refused with; the only other output allowed is the progress bar's."""
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  lines = [line for line in re.split(r"[\r\n]", result.stderr) if line.strip()]
+  assert all(re.fullmatch(r"\S+ tokens \[.*tokens/s\]", line) for line in lines[:-1]), lines
+  assert lines[-1].startswith("prepare.py: ")
+  return lines[-1].removeprefix("prepare.py: ")
+
+
+def run_prepare(*flags):
+  return subprocess.run([sys.executable, "tools/prepare.py", *flags], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_input_is_refused_in_one_line_and_the_dataset_there_kept(case, tmp_path):
+  make, flags, message = CASES[case]
+  write_corpus(tmp_path / "text")
+  prepare.prepare(tmp_path / "text", tmp_path / "out")  # what --overwrite would replace
+  kept = snapshot(tmp_path / "out")
+  make(tmp_path)
+  result = run_prepare(*(flag.format(d=tmp_path) for flag in flags), f"--output={tmp_path}/out", "--overwrite")
+  assert re.match(message, refusal(result))
+  assert snapshot(tmp_path / "out") == kept  # no temporary file left, nothing replaced
+
+
+def test_a_full_disk_is_refused_in_one_line_and_the_dataset_there_kept(small_disk, tmp_path):
+  (tmp_path / "big").mkdir()
+  (tmp_path / "big" / "a.txt").write_text("x" * 600_000)  # 1.1 MiB of byte tokens, on a 0.7 MiB disk
+  write_corpus(tmp_path / "text")
+  prepare.prepare(tmp_path / "text", small_disk / "out")
+  kept = snapshot(small_disk / "out")
+  for output in ("out", "new"):
+    line = refusal(run_prepare(f"--input={tmp_path}/big", f"--output={small_disk}/{output}", "--overwrite"))
+    assert re.fullmatch(rf"the disk holding {small_disk}/{output} is full \(No space left on device\): the tokens "
+                        r"need at least 1\.1 MiB and 0\.[5-7] MiB are free; nothing was written and the folder is "
+                        r"as it was: make room, then run the same command again\.", line), line
+  assert snapshot(small_disk / "out") == kept and sorted(p.name for p in small_disk.iterdir()) == ["out"]
