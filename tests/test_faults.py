@@ -24,6 +24,7 @@ from training.dry_run import abstract_inputs
 from training.loop import train
 from training.state import init_state, plan
 from training.step import make_train_step
+from training.token_files import write_token_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,6 +69,18 @@ def test_a_corrupt_checkpoint_is_refused_and_kept(tmp_path):
       path.write_bytes(b"not a checkpoint")
   before = snapshot(tmp_path)
   with pytest.raises(ValueError, match="checkpoint step 10 .* cannot be read"):
+    train(config_for(tmp_path, steps=20))
+  assert snapshot(tmp_path) == before
+
+
+def test_a_checkpoint_that_lost_its_metadata_file_is_refused_as_damaged(trained, tmp_path):
+  # Orbax reads the state as none at all without it, which read as "a different model".
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  (tmp_path / "checkpoints" / "10" / "state" / "_METADATA").unlink()
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=rf"^checkpoint step 10 in {tmp_path}/checkpoints has lost state/_METADATA, so "
+                                       r"it is damaged; it was left untouched: resume from an earlier one with "
+                                       r"--config.resume=5\.$"):
     train(config_for(tmp_path, steps=20))
   assert snapshot(tmp_path) == before
 
@@ -130,6 +143,51 @@ def test_a_checkpoint_saved_before_fingerprints_restores_on_its_finiteness_alone
   assert checkpoints.changed_leaf(10, state) is None
   assert checkpoints.changed_leaf(5, state) == "params/blocks/attn/out_bias"  # those of 5 are there
   checkpoints.close()
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+  """A Hugging Face tokenizer of 5 words, which fits the byte-sized model's vocabulary."""
+  tokenizers = pytest.importorskip("tokenizers")
+  folder = tmp_path_factory.mktemp("words")
+  words = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {word: i for i, word in enumerate(["<|endoftext|>", "[UNK]", "the", "mesh", "trains"])}, unk_token="[UNK]"))
+  words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  words.save(str(folder / "tokenizer.json"))
+  return folder
+
+
+def word_tokens(folder, tokenizer_dir):
+  """A token folder as tools/prepare.py --tokenizer=hf:DIR writes it, of random words."""
+  ids = np.random.default_rng(0).integers(0, 5, 4096)
+  write_token_folder(folder, [ids], tokenizer=f"hf:{tokenizer_dir.resolve()}", vocab_size=5, val_fraction=0.1)
+  return {"data.source": "tokens", "data.path": str(folder)}
+
+
+def test_resuming_on_tokens_of_another_tokenizer_is_refused(trained, word_tokenizer, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  words = word_tokens(tmp_path.parent / f"{tmp_path.name}-tokens", word_tokenizer)
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint step 10 in {tmp_path}/checkpoints was trained on byte tokens \(vocab 256\), but "
+      rf"{words['data.path']} holds hf:{word_tokenizer} tokens \(vocab 5\), and resuming would mix the two; "
+      r"train on text prepared with --tokenizer=byte, or on this data in another --config.workdir\.$")):
+    train(config_for(tmp_path, steps=15, **words))
+  assert snapshot(tmp_path) == before
+
+
+def test_a_tokenizer_is_known_by_its_content_and_a_checkpoint_without_a_record_by_nothing(word_tokenizer, tmp_path):
+  train(config_for(tmp_path / "run", steps=5, **word_tokens(tmp_path / "tokens", word_tokenizer)))
+  # The same tokenizer.json in another directory is the same tokenizer.
+  shutil.copytree(word_tokenizer, tmp_path / "copy")
+  copy = word_tokens(tmp_path / "tokens-copy", tmp_path / "copy")
+  assert train(config_for(tmp_path / "run", steps=10, **copy))["step"] == 10
+  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* was trained on hf:.* \(vocab 5\), but .* holds byte "):
+    train(config_for(tmp_path / "run", steps=15))
+  # Checkpoints saved before the record existed name no tokenizer and resume on any.
+  for record in (tmp_path / "run" / "checkpoints").glob("*/tokenizer"):
+    shutil.rmtree(record)
+  assert train(config_for(tmp_path / "run", steps=15))["step"] == 15
 
 
 def test_a_second_run_in_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
@@ -354,10 +412,12 @@ def test_a_full_disk_stops_the_run_at_the_first_failed_save(small_disk):
   assert not (small_disk / "run" / "run.lock").exists()
 
 
-def test_train_py_reports_a_full_disk_in_its_own_line_alone(small_disk):
-  process = start_train(small_disk / "run", "--config.steps=20")
+def test_train_py_reports_a_full_disk_in_its_own_line_alone_and_stops_before_the_next_save(small_disk):
+  process = start_train(small_disk / "run", "--config.steps=20", "--config.log_every=1")
   _, err = process.communicate(timeout=300)
   assert process.returncode == 1
+  # Orbax raises a failed async save at the next save (step 20); the run checks after every step.
+  assert 10 <= max(logged_steps(small_disk / "run")) < 20
   # What is left of stderr without tqdm's bar (redrawn with carriage returns): orbax's tracebacks
   # from its save threads, if any got through, and our line.
   lines = [line.strip() for line in re.split(r"[\r\n]", err) if line.strip() and not re.match(r"\s*\d+%\|", line)]

@@ -1,15 +1,20 @@
 """Orbax checkpoints: async saves, the last k kept, exact resume, and restore onto any mesh.
 
 A checkpoint holds the whole train state (params, optimizer state, step, the
-count of skipped non-finite updates), the config as JSON, and a fingerprint of
+count of skipped non-finite updates), the config as JSON, a fingerprint of
 each state leaf (training/fingerprint.py) that a restore checks the bytes
-against. Data needs no iterator state: batch `s` is a pure function of
-(seed, s), and the seed is in the config. Orbax writes each step into a temporary folder and renames it when
-complete, so a run killed mid-save leaves the previous checkpoint readable.
+against, and the tokenizer its text went through, which a resume compares.
+Data needs no iterator state: batch `s` is a pure function of (seed, s), and
+the seed is in the config. Orbax writes each step into a temporary folder and
+renames it when complete, so a run killed mid-save leaves the previous
+checkpoint readable.
 """
 
 import contextlib
+import errno
+import hashlib
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -18,16 +23,20 @@ import jax
 import orbax.checkpoint as ocp
 
 from training.fingerprint import fingerprints
+from training.tokenizer import HfTokenizer
 
 
 class Checkpoints:
   """The checkpoints of one workdir."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False):
+  def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False,
+               tokenizer: dict | None = None):
     """`keep` None keeps all (validate.py asks for >= 1). A process `joining` a run in progress opens
-    the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier."""
+    the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier.
+    `tokenizer` (tokenizer_record) is saved with each checkpoint; None saves none."""
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
+    self._tokenizer = tokenizer
     self._state_bytes = 0  # of the last state saved: what a failed save needed
     self._keep = keep
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
@@ -47,7 +56,7 @@ class Checkpoints:
     return ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-                       "fingerprints": ocp.JsonCheckpointHandler()})
+                       "fingerprints": ocp.JsonCheckpointHandler(), "tokenizer": ocp.JsonCheckpointHandler()})
 
   def reopen_for(self, processes: set[int], step: int) -> None:
     """Save with `processes` from `step` on, after some were lost or came back (fault_tolerance=survive).
@@ -77,6 +86,11 @@ class Checkpoints:
       self._manager.reload()
     return later, folder
 
+  def resume_before(self, step: int) -> str:
+    """The flag that resumes from the newest checkpoint before `step`, for a refusal of `step`."""
+    earlier = [s for s in self.steps() if s < step]
+    return f"--config.resume={earlier[-1]}" if earlier else "another --config.workdir"
+
   def save(self, step: int, state, config, *, force: bool = False) -> None:
     """Start an async save when `step` is due (or forced); returns once the arrays are copied."""
     # The schedule is decided here, not by orbax, whose default also saves the first step.
@@ -85,30 +99,38 @@ class Checkpoints:
       return
     self.directory.mkdir(parents=True, exist_ok=True)
     self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    prints = _named_fingerprints(state)
+    items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config.to_dict()),
+             "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
+    if self._tokenizer is not None:
+      items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
     with self._reporting_failed_saves():  # orbax also raises an earlier async save's error here
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        config=ocp.args.JsonSave(config.to_dict()),
-                                                        fingerprints=ocp.args.JsonSave(prints)),
-                         force=True)
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def check(self) -> None:
-    """Raises, in one line, if an async save has failed since the last check (say, a full disk)."""
-    with self._reporting_failed_saves():
-      self._manager.check_for_errors()
+    """Raises, in one line, if the last async save has failed (say, a full disk), from the first call
+    after it ended. Orbax keeps a failure for the next save or wait to raise (check_for_errors misses
+    it: the save's own finalize thread has taken it), so a run would go on until its next save."""
+    if not self._manager.is_saving_in_progress():
+      self.wait()  # returns at once after a save that succeeded
 
   @contextlib.contextmanager
   def _reporting_failed_saves(self):
     try:
       yield
     except Exception as error:  # orbax raises many kinds (OSError, ValueError, its own)
-      free = shutil.disk_usage(self.directory).free
+      free, needed = shutil.disk_usage(self.directory).free, self._state_bytes
       good = self._finished_steps()
-      raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); one "
-                       f"needs about {self._state_bytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are "
-                       f"free. The newest saved checkpoint is "
-                       f"{f'step {good[-1]}' if good else 'none'}: make room, then run the same command "
-                       "to resume.") from None
+      newest = f"The newest saved checkpoint is {f'step {good[-1]}' if good else 'none'}"
+      if free < needed or _out_of_space(error):
+        advice = (f"one needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. {newest}: "
+                  "make room, then run the same command to resume.")
+      elif _lost_process(error):
+        advice = (f"another process of the run was lost during the save ({free / 2**20:.0f} MiB are free: not a "
+                  f"full disk). {newest}: run the same command to resume.")
+      else:
+        advice = (f"{free / 2**20:.0f} MiB are free: not a full disk. {newest}: put right what the error "
+                  "names, then run the same command to resume.")
+      raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); {advice}") from None
 
   def save_now(self, step: int, state, config) -> None:
     """Save `step` whatever the schedule and wait until it is on disk (before stopping a run)."""
@@ -119,6 +141,12 @@ class Checkpoints:
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh), in the dtypes it
     was saved in: its fingerprints check the bytes on disk, so a dtype the config has changed since
     (precision.moments) is the caller's to apply, after that check (`cast_like`)."""
+    # Orbax reads a state without its metadata file as no state at all, which would read as another model.
+    folder = self.directory / str(step)
+    lost = next((name for name in ("state", "state/_METADATA") if not (folder / name).exists()), None)
+    if lost:
+      raise ValueError(f"checkpoint step {step} in {self.directory} has lost {lost}, so it is damaged; it was "
+                       f"left untouched: resume from an earlier one with {self.resume_before(step)}.")
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
     _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
     saved_dtypes = {name: leaf.dtype for name, leaf in _leaves_by_name(stored).items()}
@@ -132,6 +160,20 @@ class Checkpoints:
     """The run config saved with `step`, as a plain dict."""
     return self._read(step, lambda: self._manager.restore(
         step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+
+  def check_tokenizer(self, step: int, data: str) -> None:
+    """Refuses, in one line, to resume `step` on tokens of another tokenizer than the one it was trained
+    on, which would mix the two in every later checkpoint; `data` names where this run's tokens come
+    from. A checkpoint saved before the record existed (or trained on synthetic data) has none: it passes."""
+    if self._tokenizer is None or not (self.directory / str(step) / "tokenizer").is_dir():
+      return
+    saved = self._read(step, lambda: self._manager.restore(
+        step, args=ocp.args.Composite(tokenizer=ocp.args.JsonRestore()))["tokenizer"])
+    if _identity(saved) != _identity(self._tokenizer):
+      raise ValueError(f"checkpoint step {step} in {self.directory} was trained on {saved['name']} tokens "
+                       f"(vocab {saved['vocab_size']}), but {data} holds {self._tokenizer['name']} tokens "
+                       f"(vocab {self._tokenizer['vocab_size']}), and resuming would mix the two; train on text "
+                       f"prepared with --tokenizer={saved['name']}, or on this data in another --config.workdir.")
 
   def restore_params(self, step: int, abstract_params):
     """Only the params of `step` (no optimizer state), laid out by the shardings in `abstract_params`."""
@@ -194,6 +236,23 @@ class _QuietFailedSaves(logging.Filter):
 _QUIET_FAILED_SAVES = _QuietFailedSaves()
 
 
+def tokenizer_record(tokenizer) -> dict:
+  """What a checkpoint keeps of the tokenizer its text went through: its name and vocabulary size, and
+  for a Hugging Face tokenizer a hash of its tokenizer.json as the tokenizers library reads it, since
+  the same tokenizer may lie in another directory (HfTokenizer.same_as compares the same text)."""
+  record = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size}
+  if isinstance(tokenizer, HfTokenizer):
+    from tokenizers import Tokenizer  # present: HfTokenizer loaded it
+    text = Tokenizer.from_file(str(tokenizer.folder / "tokenizer.json")).to_str()
+    record["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+  return record
+
+
+def _identity(record: dict) -> tuple:
+  """A Hugging Face tokenizer is its content, wherever it lies; the others are their names."""
+  return record.get("sha256", record["name"]), record["vocab_size"]
+
+
 def _check_same_shapes(stored, abstract_state, where: str) -> None:
   """Refuse a checkpoint of another model shape, naming the first leaf that differs."""
   stored_leaves, wanted_leaves = _leaves_by_name(stored), _leaves_by_name(abstract_state)
@@ -238,6 +297,21 @@ def _leaves_by_name(tree) -> dict:
 
 def _path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _out_of_space(error: Exception) -> bool:
+  """ENOSPC, as an OSError or in the text of tensorstore's errors, which orbax passes on as ValueErrors."""
+  return getattr(error, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(error)
+
+
+def _lost_process(error: Exception) -> bool:
+  """Whether a save of a multi-process run failed in a collective or barrier between its processes
+  (a JaxRuntimeError, which orbax may wrap): one of them has gone, or stopped answering."""
+  chain = []
+  while error is not None and error not in chain:
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  return jax.process_count() > 1 and any(isinstance(e, jax.errors.JaxRuntimeError) for e in chain)
 
 
 def _first_line(error: Exception) -> str:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from parallel import analysis, distributed
 from parallel.redundancy import survival_problem
 from training import data, hf_checkpoint, metrics
-from training.checkpoint import Checkpoints, cast_like
+from training.checkpoint import Checkpoints, cast_like, tokenizer_record
 from training.dry_run import abstract_inputs, compile_train_step, report
 from training.in_flight import StepsInFlight
 from training.preemption import StopRequests
@@ -61,8 +61,10 @@ def train(config, dry_run: bool = False) -> dict:
   joining = surviving and joining_run()
   if joining:
     refuse_on_cpu()
+  # Synthetic data carries no text: its checkpoints record no tokenizer, and resume on any.
+  synthetic = train_split.origin == "synthetic"
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
-                            joining=joining)
+                            joining=joining, tokenizer=None if synthetic else tokenizer_record(text_tokenizer))
   lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
@@ -70,6 +72,7 @@ def train(config, dry_run: bool = False) -> dict:
       start = None if joining else _resume_step(checkpoints, config.resume)
       if start is not None:
         _check_not_past(start, config.steps, checkpoints)
+        checkpoints.check_tokenizer(start, train_split.origin)
       if joining:  # never process 0, which hosts the coordination service: process 0 logs the rejoin
         state = None  # _run receives it from the live processes
       elif start is None and pretrained is not None:
@@ -100,10 +103,8 @@ def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
   damage = (f"has changed since it was saved ({changed} does not match its fingerprint)" if changed else
             None if bool(jax.jit(all_finite)(state)) else "holds non-finite values")
   if damage:
-    earlier = [s for s in checkpoints.steps() if s < step]
-    hint = f"--config.resume={earlier[-1]}" if earlier else "another --config.workdir"
     raise ValueError(f"checkpoint step {step} in {checkpoints.directory} {damage}, so it is damaged; "
-                     f"it was left untouched: resume from an earlier one with {hint}.")
+                     f"it was left untouched: resume from an earlier one with {checkpoints.resume_before(step)}.")
   # Left in place, a later step would never be rewritten (its number is taken) and would outlive
   # the good checkpoints in rotation; moved aside, it is kept but out of this run's way.
   moved, folder = checkpoints.set_aside_after(step)
