@@ -190,17 +190,18 @@ def test_a_tokenizer_is_known_by_its_content_and_a_checkpoint_without_a_record_b
   assert train(config_for(tmp_path / "run", steps=15))["step"] == 15
 
 
-def test_a_second_run_in_a_workdir_is_refused_and_a_stale_lock_taken_over(tmp_path):
-  lock = tmp_path / "run.lock"
-  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live holder
-  with pytest.raises(ValueError, match=rf"^{tmp_path} is in use by the run of pid {os.getpid()} on "):
+def test_a_second_run_in_a_workdir_is_refused_and_a_killed_runs_lock_taken_over(tmp_path):
+  hold = "import sys, time; from training.workdir_lock import WorkdirLock\n" \
+         "with WorkdirLock(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)"
+  holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline() == "held\n"
+  with pytest.raises(ValueError, match=rf"^{tmp_path} is in use by the run of pid {holder.pid} on "):
     train(config_for(tmp_path, steps=2))
   assert not (tmp_path / "checkpoints").exists()
-  gone = subprocess.Popen([sys.executable, "-c", "pass"])
-  gone.wait()
-  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid}))  # its process is gone
+  holder.kill()  # SIGKILL: the lock file stays behind, naming a process that is gone
+  holder.wait()
   assert train(config_for(tmp_path, steps=2))["step"] == 2
-  assert not lock.exists()
+  assert not (tmp_path / "run.lock").exists()
 
 
 def test_a_run_that_skips_most_updates_stops_and_says_so(tmp_path):
