@@ -123,6 +123,8 @@ def main(argv=None) -> int:
   killed = {}  # process -> kill time, while the others run on without it
   stalled = {}  # process -> when to SIGKILL it, while it is stopped
   rejoins = args.restart_after is not None and "--config.fault_tolerance=survive" in args.command
+  ended = {}  # process -> when it was first seen ended, to name the one that ended the job
+  victims = set()  # the processes --kill ended
   while True:
     done = max(logged_steps(workdir), default=0)
     if kills and done >= kills[0][1]:
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
     for victim, when in list(stalled.items()):
       if time.perf_counter() >= when:
         processes[victim].send_signal(signal.SIGKILL)
+        victims.add(victim)
         del stalled[victim]
         if rejoins:
           killed[victim] = time.perf_counter()
@@ -148,22 +151,49 @@ def main(argv=None) -> int:
         results.append((watching[1], watching[1] - watching[2], time.perf_counter() - watching[0]))
         watching = None
     codes = [p.poll() for p in processes]
+    for i, code in enumerate(codes):
+      if code is not None:
+        ended.setdefault(i, time.perf_counter())
     for victim, when in list(killed.items()):
       if codes[0] is None and time.perf_counter() - when >= args.restart_after:
         processes[victim] = start_one(args, logs, victim, coordinator_port(processes[0]))
         del killed[victim]
+        ended.pop(victim, None)  # seen ended before its restart, or not yet
+        victims.discard(victim)
         print(f"launch: restarted process {victim} to rejoin the run", flush=True)
     if codes[0] is not None and all(c is not None for c in codes):
       if codes[0] == 0 or args.restart_after is None or restarts > len(args.kill):
         break
       print(f"launch: the job ended (exit codes {codes}); restarting in {args.restart_after:g} s", flush=True)
       time.sleep(args.restart_after)
-      processes, restarts = start(args, logs), restarts + 1
+      processes, restarts, ended, victims = start(args, logs), restarts + 1, {}, set()
     time.sleep(0.05)
   for killed_after, lost, seconds in results:
     print(f"launch: killed after step {killed_after}: {lost} steps lost, {seconds:.1f} s until step "
           f"{killed_after + 1} was done", flush=True)
-  return processes[0].returncode
+  code = processes[0].returncode
+  if code:
+    print(f"launch: {first_to_fail(processes, ended, victims, logs)}", flush=True)
+  return code if code >= 0 else 128 - code  # a signal as the shell reports it (SIGKILL: 137)
+
+
+def first_to_fail(processes: list[subprocess.Popen], ended: dict[int, float], victims: set[int],
+                  logs: Path) -> str:
+  """One sentence naming the process whose end ended the job, how it ended, and what to do.
+
+  Within one poll, a SIGKILLed process went first: the others of a job end by SIGABRT (JAX's
+  coordination service) or an exit status (a failed collective), never by SIGKILL.
+  """
+  failed = [i for i in ended if processes[i].returncode]
+  first = min(failed, key=lambda i: (ended[i], processes[i].returncode != -signal.SIGKILL, i))
+  code = processes[first].returncode
+  if code > 0:
+    where = "above" if first == 0 else f"in {logs / f'process{first}.log'}"
+    return f"process {first} ended first (exit status {code}), and the job with it; its error is {where}."
+  how = f"killed by {signal.Signals(-code).name}" + (" from --kill" if first in victims else "")
+  host = ("; process 0 hosts the coordination service, so every process ended with it" if first == 0 else
+          ", and the job with it")
+  return f"process {first} ended first ({how}){host}: run the same command to resume from the last checkpoint."
 
 
 if __name__ == "__main__":
