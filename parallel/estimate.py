@@ -1,10 +1,12 @@
 """What a train step should cost per device, by arithmetic: memory and collective bytes.
 
 Nothing is compiled or allocated. The weights come in as (shape, logical axes)
-pairs, read off the model's abstract (nnx.eval_shape), so the estimate cannot
-drift from the model; their per-device size follows the same rules table
-(parallel/rules.py) the run shards with. Everything else is the textbook
-arithmetic of the seeds (MLSysBook ch. 18, the distributed-training chapter):
+pairs, read off the model's abstract (nnx.eval_shape), and what a layer saves
+for its backward pass is what jax's autodiff saves when it traces the model's
+own block under the remat policy, so the estimate cannot drift from the model;
+their per-device size follows the same rules table (parallel/rules.py) the run
+shards with. Everything else is the textbook arithmetic of the seeds (MLSysBook
+ch. 18, the distributed-training chapter):
 
 - memory: fp32 params, gradients and Adam's m and v (GPT-2 1.5B: about 6 GB
   each on one device), the batch, and the activations saved for the backward
@@ -22,20 +24,27 @@ parallel/analysis.py `traffic_per_step` reads them off compiled HLO.
 
 import collections
 import dataclasses
+import functools
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.extend import core as jax_core
 
 from model import moe
 from model.attention import largest_divisor
-from model.config import FAMILIES, VOCAB_MULTIPLE
-from model.transformer import chunk_count, chunk_positions
+from model.config import FAMILIES, VOCAB_MULTIPLE, ModelConfig
+from model.transformer import chunk_count, chunk_positions, scan_blocks
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from training.state import build_model, model_config
 
 ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0}
-INT32_BYTES = 4
-MASTER_BYTES = 4  # master weights and their gradients are float32 whatever the compute dtype
+F32_BYTES = np.dtype(np.float32).itemsize
+INT32_BYTES = np.dtype(np.int32).itemsize
+MASTER_BYTES = F32_BYTES  # master weights and their gradients are float32 whatever the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,68 +144,158 @@ def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
           "activations": activations(config, d, weights)}
 
 
-def _layer_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
-  """Bytes one layer saves for its backward pass per micro-batch, without remat.
+def saved_per_layer(config, mesh: dict) -> dict[str, int]:
+  """Bytes one layer keeps for its backward pass per micro-batch under model.remat: on the device, and
+  in pinned host memory (the offloading policies), as jax's autodiff saves them for the model's block."""
+  d = dims(config, mesh)
+  layer = _layer(config, d, config.model.remat)
+  return {"device": layer.saved_bytes(d), "host": layer.saved_bytes(d, host=True)}
 
-  Counted from what jax's autodiff saves for these blocks (`saved_residuals`):
-  per token, eight values of width D (the norms' float32 internals, the block
-  input and the residual after attention), Q, K, V and the attention output
-  (GPT-2; Llama saves Q and K with and without rotary), the MLP's hidden
-  values (tanh-GELU: five; SwiGLU: six), and per attention score three float32
-  values (logits, exponentials, probabilities) and one in the compute dtype;
-  blockwise attention keeps no scores, only its float32 output and log-sum-exp.
-  A chunked MLP (model.mlp_chunk) keeps neither its hidden values nor its
-  norm's three float32 values, only while it recomputes one chunk of them.
-  Below float32 the step also keeps each layer's weight matrices cast to the
-  compute dtype. XLA on the CPU keeps all of it; a fusing backend may keep less.
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """A value of one layer as jax traced it on a probe: `bytes` per sequence (if `per_sequence`) and per
+  position, or per query and key position (`positions` 0, 1 or 2), with the dimensions `tensor` splits
+  divided out and listed: those that grow with the heads (query or key/value) and with the MLP's width."""
+  bytes: int
+  per_sequence: bool
+  positions: int
+  heads: tuple[int, ...]
+  mlp: tuple[int, ...]
+  host: bool  # offloaded to pinned host memory by the remat policy
+
+  def on_device(self, d: Dims) -> int:
+    """Bytes on one device for one micro-batch of the run."""
+    per_position = (1, d.length, d.length * d.keys)[self.positions]
+    return (self.bytes * math.prod(n // d.mesh[TENSOR] for n in self.heads + self.mlp)
+            * (d.batch if self.per_sequence else 1) * per_position)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """One layer as jax's autodiff sees it: what it saves for the backward pass, and the activations its
+  matmuls read or write."""
+  saved: tuple[Residual, ...]
+  matmul_activations: tuple[Residual, ...]
+
+  def saved_bytes(self, d: Dims, per_sequence: bool | None = None, host: bool = False) -> int:
+    """What it saves on one device, or in host memory; `per_sequence` True or False: only what does or
+    does not grow with the micro-batch (the latter: the weights' casts to the compute dtype)."""
+    return sum(r.on_device(d) for r in self.saved if r.host == host and per_sequence in (None, r.per_sequence))
+
+
+PROBE_POSITIONS = 8  # blockwise attention runs the probe as two blocks, a chunked MLP as two chunks
+# The probe's second trace grows each thing a layer's values may grow with by its own prime, so by how much
+# a value grows says with what (the heads grow the embedding's width with them: head_dim stays).
+GROWTH = {"positions": 2, "sequences": 3, "layers": 5, "heads": 7, "mlp": 11}
+
+
+def _layer(config, d: Dims, remat: str, chunked: bool = True) -> Layer:
+  """The run's layer under a remat policy: one dense block of the model (MoE's dispatch is not modelled)
+  on the attention path (one block, or blockwise) and the MLP chunking (unless not `chunked`) the run takes.
+
+  Traced on a probe sequence with no placement, plain local math: the Residuals scale to
+  the run's micro-batch, positions and tensor shards, so one trace serves every length and layout.
   """
-  c, f32, gated = d.compute_bytes, 4, FAMILIES[config.model.family].gated_mlp
-  heads = (2 * d.heads + 2 * d.kv_heads) * d.head_dim * c  # queries, outputs; keys, values
-  mlp = (6 if gated else 5) * d.mlp * c
-  scores = d.heads * (d.head_dim + 1) * f32 if d.blockwise else d.heads * d.keys * (3 * f32 + c)
-  feed_forward = mlp + 3 * d.embed * f32
-  per_token = 3 * d.embed * f32 + 2 * d.embed * c + heads + scores
-  return (d.tokens * per_token + d.tokens // d.mlp_chunks * feed_forward
-          + (_cast_weight_bytes(config, d.mesh, weights) if c < 4 else 0))
+  return _traced_layer(dataclasses.replace(
+      model_config(config), num_layers=1, num_experts=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
+      attention_block=PROBE_POSITIONS // 2 if d.blockwise else 2 * PROBE_POSITIONS,
+      mlp_chunk=PROBE_POSITIONS // 2 if chunked and d.mlp_chunks > 1 else 0, loss_chunk=PROBE_POSITIONS,
+      document_end=-1, gathered_lookup=False))
 
 
-def _mlp_inputs(config) -> int:
-  """Hidden values per MLP position whose gradients its backward pass makes: GELU's input and output,
-  SwiGLU's gate, up projection and their product."""
-  return 3 if FAMILIES[config.model.family].gated_mlp else 2
+@functools.lru_cache(maxsize=None)
+def _traced_layer(cfg: ModelConfig) -> Layer:
+  """The layer of `cfg`, traced on it and on GROWTH's probe.
+
+  A saved value that does not grow with the layers is hoisted out of the scanned
+  loop by jax (the positions' rotary tables, constants) and kept once, not per
+  layer: it is left out. A dimension that grows with the heads or the MLP's width
+  is split by `tensor` (one as wide as the embedding is taken for the embedding's).
+  """
+  grown = dataclasses.replace(cfg, **{field: GROWTH[name] * getattr(cfg, field) for name, fields in (
+      ("positions", ("max_len",)), ("layers", ("num_layers",)), ("heads", ("num_heads", "kv_heads", "embed_dim")),
+      ("mlp", ("mlp_dim",))) for field in fields})
+  (saved, matmuls), (grown_saved, grown_matmuls) = _autodiff_avals(cfg, rows=1), _autodiff_avals(
+      grown, rows=GROWTH["sequences"])
+  if len(saved) != len(grown_saved) or len(matmuls) != len(grown_matmuls):
+    raise ValueError(f"The {cfg.family} block keeps different values at different sizes: the memory estimate "
+                     "cannot scale them.")
+  per_layer = tuple(r for r, grew in (_residual(cfg, *pair) for pair in zip(saved, grown_saved)) if grew["layers"])
+  return Layer(per_layer, tuple(_residual(cfg, *pair)[0] for pair in zip(matmuls, grown_matmuls)))
 
 
-def _cast_weight_bytes(config, mesh, weights) -> int:
-  """One layer's matrices in the compute dtype, as the step uses them (gathered under FSDP)."""
-  layers = config.model.num_layers // mesh[PIPELINE]
-  return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
-             if w.stacked and len(w.shape) > 2) // layers * _compute_bytes(config)
+def _residual(cfg: ModelConfig, small, large) -> tuple[Residual, dict[str, int]]:
+  """A value as traced on `cfg` and on GROWTH's probe, and how many times it grew with each of GROWTH."""
+  grew = {name: _multiplicity(large.size // small.size, prime) for name, prime in GROWTH.items()}
+  heads = tuple(n for n, m in zip(small.shape, large.shape) if m == GROWTH["heads"] * n and n != cfg.embed_dim)
+  mlp = tuple(n for n, m in zip(small.shape, large.shape) if m == GROWTH["mlp"] * n)
+  unit = small.size * small.dtype.itemsize // (cfg.max_len ** grew["positions"] * math.prod(heads + mlp))
+  host = getattr(small, "memory_space", None) == jax.memory.Space.Host
+  return Residual(unit, bool(grew["sequences"]), grew["positions"], heads, mlp, host), grew
+
+
+def _multiplicity(n: int, prime: int) -> int:
+  """How many times `prime` divides n."""
+  return 0 if n % prime else 1 + _multiplicity(n // prime, prime)
+
+
+def _autodiff_avals(cfg: ModelConfig, rows: int) -> tuple[list, list]:
+  """(saved, matmul activations) of cfg's stacked blocks run as the model runs them (scan_blocks, remat
+  policy and all) on `rows` sequences: the values jax's autodiff keeps for the backward pass, the weights
+  themselves left out (they are the parameters), and every distinct operand and result of the forward's matmuls."""
+  with nnx.use_eager_sharding(False):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)).blocks)
+  run = lambda params, x: scan_blocks(nnx.merge(graphdef, params), x, jnp.arange(cfg.max_len), cfg)[0]
+  x = jax.ShapeDtypeStruct((rows, cfg.max_len, cfg.embed_dim), cfg.dtype)
+  closed, (_, pullback) = jax.make_jaxpr(lambda *args: jax.vjp(run, *args), return_shape=True)(params, x)
+  outvars, arguments = closed.jaxpr.outvars, set(closed.jaxpr.invars)
+  saved = [v.aval for v in outvars[len(outvars) - len(jax.tree.leaves(pullback)):]
+           if not isinstance(v, jax_core.Literal) and v not in arguments]
+  return saved, list(_matmul_values(closed.jaxpr).values())
+
+
+def _matmul_values(jaxpr) -> dict:
+  """{variable: aval} of every dot_general's operands and results, nested jaxprs included, in trace order."""
+  found = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.update((v, v.aval) for v in (*eqn.invars, *eqn.outvars) if not isinstance(v, jax_core.Literal))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+          found.update(_matmul_values(getattr(sub, "jaxpr", sub)))
+  return found
+
+
+def _recomputed_layer_bytes(config, d: Dims) -> int:
+  """One layer's residuals as its backward pass holds them, recomputed under any remat policy: a chunked
+  MLP's (model.mlp_chunk) one chunk at a time, and blockwise attention's output in float32.
+
+  The float32 output corrects the residuals jax lists: blockwise attention
+  accumulates its output in float32 (merge_blocks) and casts it after the last
+  key block, and jax lists the cast twice, as the flash kernel's residual and by
+  its ATTENTION_OUT name. XLA keeps one buffer for the two names, and the
+  recomputed forward's float32 output beside the backward's float32 query
+  gradient (the 1B Llama's compiled step, `tools/longest_context.py --compile`).
+  """
+  whole, chunked = _layer(config, d, "none", chunked=False), _layer(config, d, "none")
+  per_chunk = (whole.saved_bytes(d, per_sequence=True) - chunked.saved_bytes(d, per_sequence=True)) // d.mlp_chunks
+  casts = whole.saved_bytes(d, per_sequence=False) - chunked.saved_bytes(d, per_sequence=False)
+  float32_output = d.tokens * d.heads * d.head_dim * (F32_BYTES - d.compute_bytes) if d.blockwise else 0
+  return chunked.saved_bytes(d) + per_chunk + casts + float32_output
+
+
+def _mlp_gradient_bytes(config, d: Dims) -> int:
+  """The MLP's hidden gradients its backward pass makes, one chunk's: one for each hidden activation a
+  matmul reads or writes (GELU's input and output; SwiGLU's gate, up projection and their product)."""
+  hidden = _layer(config, d, "none", chunked=False).matmul_activations
+  return sum(r.on_device(d) for r in hidden if r.per_sequence and r.mlp) // d.mlp_chunks
 
 
 def _compute_bytes(config) -> int:
   """Bytes per activation value: float8 multiplies in fp8 but keeps its activations in bfloat16."""
-  return 2 if config.precision.compute == "float8" else np.dtype(config.precision.compute).itemsize
-
-
-def _remat_saved_bytes(config, d: Dims, weights: list[Weight]) -> int:
-  """What one layer keeps per micro-batch under the remat policy."""
-  policy = config.model.remat
-  if policy == "none":
-    return _layer_saved_bytes(config, d, weights)
-  if policy == "full":
-    return d.activation_bytes(d.embed)  # the block input only
-  if policy == "full_offload":
-    return 0  # the block input waits in host memory (host_memory); the device holds one layer's at a time
-  if policy == "save_dots":
-    # The block input and the weight matmuls' outputs: QKV, attention projection, MLP in (and gate) and out.
-    mlp_in = (2 if FAMILIES[config.model.family].gated_mlp else 1) * d.mlp
-    qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
-    return d.activation_bytes(d.embed + qkv + 2 * d.embed + mlp_in)
-  if policy == "save_attention":
-    return d.activation_bytes(d.embed + d.heads * d.head_dim)  # the block input and attention's output
-  if policy == "offload":
-    return d.activation_bytes(d.embed)  # attention's output waits in host memory, not on the device
-  raise ValueError(f"model.remat={policy!r} has no memory estimate.")
+  return np.dtype(model_config(config).dtype).itemsize
 
 
 def _held_layers(config, mesh: dict) -> tuple[int, int]:
@@ -216,57 +315,60 @@ def _held_layers(config, mesh: dict) -> tuple[int, int]:
 def host_memory(config, mesh: dict) -> int:
   """Per-device bytes the remat policy parks in pinned host memory: each layer's offloaded values,
   for every micro-batch whose residuals are held at once (as `activations` counts them on the device)."""
-  d, policy = dims(config, mesh), config.model.remat
-  per_layer = {"full_offload": d.activation_bytes(d.embed),
-               "offload": d.tokens * d.heads * d.head_dim * d.compute_bytes}.get(policy, 0)
   copies, layers = _held_layers(config, mesh)
-  return copies * layers * per_layer
+  return copies * layers * saved_per_layer(config, mesh)["host"]
 
 
 def _loss_bytes(d: Dims) -> int:
   """The head and loss running backward over one chunk: the chunk's logits in float32 three times
   (logits, exponentials, their gradient) and in the compute dtype twice, the head input's gradient, and
   the head weight's float32 gradient for the chunk beside the running sum (counted in `grads`)."""
-  logits = d.batch * d.loss_positions * d.vocab * (3 * 4 + 2 * d.compute_bytes)
-  return logits + d.activation_bytes(d.embed) + d.embed * d.vocab * 4
+  logits = d.batch * d.loss_positions * d.vocab * (3 * F32_BYTES + 2 * d.compute_bytes)
+  return logits + d.activation_bytes(d.embed) + d.embed * d.vocab * F32_BYTES
 
 
 def activations(config, d: Dims, weights: list[Weight]) -> int:
   """Activations saved for the backward pass, and the larger of one layer's backward working set and the loss's.
 
-  The loss runs backward before any layer does, so its chunk's logits are
-  gone by the time a layer's working set is live. A layer's backward pass
-  holds what the layer saved (recomputed, under remat) and the gradients it
-  makes: while its MLP runs backward, the MLP's hidden gradients; while its
-  attention runs backward, the query gradient in float32 beside the output's
-  gradient, the residual stream's gradient in float32 going in and coming
-  out, and for blockwise attention one block pair's scores and the keys' and
-  values' float32 gradients. Checked against the compiled program
-  (`tools/longest_context.py --compile`: the 1B Llama at the lengths the
-  longest-context table gives, and `tools/context_memory.py --estimate`).
+  What each layer saves is what jax's autodiff saves for the model's block
+  under the remat policy (`saved_per_layer`). The loss runs backward before
+  any layer does, so its chunk's logits are gone by the time a layer's working
+  set is live. A layer's backward pass holds what the layer saved (recomputed,
+  under remat) and the gradients it makes: while its MLP runs backward, the
+  MLP's hidden gradients; while its attention runs backward, the query
+  gradient in float32 beside the output's gradient, the residual stream's
+  gradient in float32 going in and coming out, and for blockwise attention
+  one block pair's scores and the keys' and values' float32 gradients (the
+  flash kernel's own buffers, model/attention.py `_block_gradients`, and the
+  context strategy's, parallel/context.py, which the block's trace does not
+  see). Checked against the compiled program (`tools/longest_context.py
+  --compile`: the 1B Llama at the lengths the longest-context table gives, and
+  `tools/context_memory.py --estimate`).
   """
-  mesh, layers = d.mesh, config.model.num_layers // d.mesh[PIPELINE]
+  mesh, layers, f32 = d.mesh, config.model.num_layers // d.mesh[PIPELINE], F32_BYTES
   loss = _loss_bytes(d)
-  residuals = _layer_saved_bytes(config, d, weights)
-  mlp = residuals + d.tokens // d.mlp_chunks * _mlp_inputs(config) * d.mlp * d.compute_bytes
-  attention = residuals + d.tokens * (d.heads * d.head_dim * (4 + d.compute_bytes) + 2 * d.embed * 4)
+  residuals = _recomputed_layer_bytes(config, d)
+  mlp = residuals + _mlp_gradient_bytes(config, d)
+  attention = residuals + d.tokens * (d.heads * d.head_dim * (f32 + d.compute_bytes) + 2 * d.embed * f32)
+  kv = d.batch * d.keys * d.kv_heads * d.head_dim  # elements of the keys (or the values) the queries attend to
   if d.blockwise:
     blocks = largest_divisor(d.length, d.attention_block) * largest_divisor(d.keys, d.attention_block)
-    # One block pair's float32 scores, probabilities and their gradients, and the keys' and values'
+    # One block pair's float32 scores, probabilities and their two gradients, and the keys' and values'
     # float32 gradients, which the backward pass accumulates over every query block.
-    attention += 4 * d.batch * blocks * d.heads * 4 + 2 * d.batch * d.keys * d.kv_heads * d.head_dim * 4
+    attention += 4 * d.batch * blocks * d.heads * f32 + 2 * kv * f32
   if d.context == "allgather":
-    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 also as
-    # the blocks the attention scans and as their gradients cast back for the reduce-scatter (in
-    # float32 those are the gathered buffer's own and the float32 gradients above).
-    gathered = 3 if d.compute_bytes < 4 else 1
-    attention += gathered * 2 * d.batch * d.keys * d.kv_heads * d.head_dim * d.compute_bytes
+    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 also as the
+    # blocks the attention scans and as their gradients cast back for the reduce-scatter (in float32 the
+    # scan reads the gathered buffer itself, and the gradients are the float32 ones above).
+    gathered, scanned, cast_back = 1, int(d.compute_bytes < f32), int(d.compute_bytes < f32)
+    attention += (gathered + scanned + cast_back) * 2 * kv * d.compute_bytes
   if d.context == "ring":
     # The ring's backward pass: the visiting K/V block and its float32 gradients, each as sent and as
     # received, and the query gradient's running sum beside this hop's share.
-    attention += d.tokens * (4 * d.kv_heads * d.head_dim * (d.compute_bytes + 4) + 2 * d.heads * d.head_dim * 4)
+    attention += d.tokens * (4 * d.kv_heads * d.head_dim * (d.compute_bytes + f32) + 2 * d.heads * d.head_dim * f32)
   working = max(mlp, attention)
-  saved, (copies, held) = _remat_saved_bytes(config, d, weights), _held_layers(config, mesh)
+  layer, (copies, held) = _layer(config, d, config.model.remat), _held_layers(config, mesh)
+  saved = layer.saved_bytes(d)
   if mesh[PIPELINE] == 1:
     return held * saved + max(working, loss)
   stages, micro = mesh[PIPELINE], config.pipeline.microbatches
@@ -275,11 +377,11 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     tokens = d.batch * d.length // stages
     chunk = tokens // chunk_count(tokens, chunk_positions(config.model.loss_chunk, d.batch, 1))
     # Every micro-batch's chunk of float32 logits, exponentials and their gradient stays until its backward tick.
-    loss = 3 * chunk * d.vocab * 4 + d.activation_bytes(d.embed) // stages
-    # Each stashed micro-batch's residuals; the weights' casts to the compute dtype are kept once.
-    casts = layers * _cast_weight_bytes(config, mesh, weights) if (
-        config.model.remat == "none" and d.compute_bytes < 4) else 0
-    return copies * (held * saved - casts) + casts + working + micro * loss
+    loss = 3 * chunk * d.vocab * f32 + d.activation_bytes(d.embed) // stages
+    # Each stashed micro-batch's residuals; what a layer saves whatever the micro-batch (the weights'
+    # casts to the compute dtype), once.
+    kept = layers * layer.saved_bytes(d, per_sequence=False)
+    return copies * (held * saved - kept) + kept + working + micro * loss
   # The head runs after the stage loop on 1/P of the batch's rows.
   loss = loss * micro // stages
   # Autodiff through the tick loop saves every tick's stage activations, bubble ticks included (zeros
@@ -402,7 +504,8 @@ def _tensor_parallel(config, mesh, traffic):
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
   per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
-  outside = d.tokens * d.embed * 4 + (d.tokens * 4 * 4 + d.activation_bytes(d.embed)) // mesh[PIPELINE]
+  outside = (d.tokens * d.embed * F32_BYTES
+             + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))
@@ -455,7 +558,7 @@ def _context(config, mesh, traffic):
     traffic[("reduce-scatter", SEQUENCE)] += backward * layers * 2 * _gather(kv * shards, shards)
   elif strategy == "ring":
     block = 2 * kv + d.length * INT32_BYTES
-    gradients = 2 * d.tokens * d.kv_heads * d.head_dim * 4  # float32, carried with the block
+    gradients = 2 * d.tokens * d.kv_heads * d.head_dim * F32_BYTES  # carried with the block
     traffic[("collective-permute", SEQUENCE)] += layers * (
         forward * (shards - 1) * block + backward * ((shards - 1) * (block + gradients) + gradients))
   elif strategy == "ulysses":

@@ -15,17 +15,24 @@ equal exactly; the compiled program sends each within 10%, plus only the
 small extra keys listed with it (partial sums no layout accounts for).
 """
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from conftest import tiny_config
 from configs.gpt2 import get_config
+from model.llama import SwiGLU
+from model.mlp import Mlp
 from parallel import analysis, estimate
 from training.dry_run import busy_slots, compile_partitioned_train_step, model_weights
-from training.state import plan
+from training.state import model_config, plan
 
 TOLERANCE = 0.15  # memory
 COLLECTIVE_TOLERANCE = 0.10
@@ -154,6 +161,40 @@ def test_full_offload_moves_every_block_input_to_host_memory():
   config.model.remat = "full_offload"
   assert full - estimate.memory(config, mesh, weights)["activations"] == 12 * block_input
   assert estimate.host_memory(config, mesh) == 12 * block_input
+
+
+@pytest.mark.parametrize("overrides, block_input, attention_out", [
+    # Tiny GPT-2, float32: at data=8 a device runs 2 sequences x 32 positions, its block input and attention
+    # output 64 wide (4 heads of 16): 2 x 32 x 64 x 4 bytes each. At data=4 x tensor=2 it runs 4 sequences,
+    # and the attention output holds 2 of the 4 heads.
+    ({"mesh.data": 8}, 16384, 16384),
+    ({"mesh.data": 4, "mesh.tensor": 2}, 32768, 16384)])
+def test_saved_per_layer_is_what_each_remat_policy_saves(overrides, block_input, attention_out):
+  # full keeps the block input; save_attention also attention's output (by name); offload keeps the block
+  # input and parks the output in host memory; full_offload parks the block input.
+  expected = {"full": (block_input, 0), "save_attention": (block_input + attention_out, 0),
+              "offload": (block_input, attention_out), "full_offload": (0, block_input)}
+  for remat, (device, host) in expected.items():
+    config = tiny_config(**overrides, **{"model.remat": remat})
+    assert estimate.saved_per_layer(config, dict(plan(config).mesh.shape)) == {"device": device, "host": host}, remat
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_widening_the_mlp_grows_what_a_layer_saves_as_jax_lists_the_mlp_residuals(family):
+  # Without remat a layer saves every hidden value of its MLP that autodiff keeps: 256 more hidden units
+  # save that many more per value jax lists for the family's MLP alone (GELU five, SwiGLU six), per token
+  # (64 on a device at data=8), in float32; under tensor=2 half the units, on twice the tokens.
+  cfg = model_config(tiny_config(**{"model.family": family}))
+  with nnx.use_eager_sharding(False):
+    graphdef, params = nnx.split({"gpt2": Mlp, "llama": SwiGLU}[family](cfg, nnx.Rngs(0)))
+  listed = io.StringIO()
+  with contextlib.redirect_stdout(listed):  # differentiated by its weights too, as training does
+    print_saved_residuals(lambda params, x: nnx.merge(graphdef, params)(x), params, jnp.zeros((2, 32, cfg.embed_dim)))
+  hidden = listed.getvalue().count(f"[2,32,{cfg.mlp_dim}]")
+  for mesh, tokens, units in (({"mesh.data": 8}, 64, 256), ({"mesh.data": 4, "mesh.tensor": 2}, 128, 128)):
+    narrow, wide = (tiny_config(**mesh, **{"model.family": family, "model.mlp_dim": width}) for width in (256, 512))
+    saved = [estimate.saved_per_layer(c, dict(plan(c).mesh.shape))["device"] for c in (narrow, wide)]
+    assert saved[1] - saved[0] == hidden * units * tokens * 4, (family, mesh, hidden)
 
 
 @pytest.mark.parametrize("name", MEMORY_LAYOUTS)
