@@ -117,10 +117,10 @@ def test_1f1b_has_gpipes_bubble(stages, micro):
                              schedules.bubble_over_total(stages=stages, micro=micro))
 
 
-def test_bubble_tool_prints_readme_table():
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
-  assert pipeline_bubble.bubble_table(4, [4, 8, 16, 32, 64], 2) in readme  # README quotes it verbatim
+def test_bubble_tool_prints_the_docs_table():
+  with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
+    page = f.read()
+  assert pipeline_bubble.bubble_table(4, [4, 8, 16, 32, 64], 2) in page  # docs/parallelism.md quotes it verbatim
 
 
 def test_1f1b_timeline_is_the_textbook_table():

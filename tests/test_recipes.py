@@ -1,11 +1,11 @@
-"""The committed ablation tables (docs/<recipe>.md, README's recipe blocks) are tools/sweep.py's output at HEAD.
+"""The committed ablation tables (docs/<recipe>.md, docs/research.md's recipe blocks) are tools/sweep.py's output at HEAD.
 
 Losses are deterministic on one CPU, but another CPU model rounds float32
 differently (vector width, fused multiply-adds): an AMD EPYC reruns the committed
 4 x 1 row to 2.8231 / 2.7097 where the table reads 2.8233 / 2.7093. So one rerun
 row must match its committed row to 1e-3 (the table's rows differ by 0.39);
 tokens/s and wall time vary with the machine and are not compared. A missing or stale table fails here; regenerate them all with
-REGENERATE (README.md, "Research workflow").
+REGENERATE (docs/research.md, "The recipes").
 """
 
 from pathlib import Path
@@ -16,6 +16,7 @@ from tools import sweep
 from tools.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "research.md"  # the page that holds every recipe's block
 REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=docs"
 # The cheapest run of any recipe: 120 steps of 4 x 128 tokens, about 30 s on 2 cores.
 RECIPE, ROW = "batch_vs_accumulation", {"batch_size": 4, "grad_accum": 1}
@@ -36,11 +37,11 @@ def committed(name: str) -> str:
   return path.read_text()
 
 
-def readme_block(name: str) -> str:
-  readme = (ROOT / "README.md").read_text()
+def page_block(name: str) -> str:
+  page = PAGE.read_text()
   start, end = f"<!-- recipe:{name} -->", f"<!-- /recipe:{name} -->"
-  assert start in readme and end in readme, f"README.md has no {start} ... {end} block"
-  return readme.split(start)[1].split(end)[0]
+  assert start in page and end in page, f"docs/research.md has no {start} ... {end} block"
+  return page.split(start)[1].split(end)[0]
 
 
 def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
@@ -60,7 +61,7 @@ def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_readme_holds_the_committed_table(name):
+def test_research_page_holds_the_committed_table(name):
   rows = table_rows(committed(name))
-  assert rows and table_rows(readme_block(name)) == rows, (
-      f"README.md's {name} block is not docs/{name}.md's table; regenerate: {REGENERATE}")
+  assert rows and table_rows(page_block(name)) == rows, (
+      f"docs/research.md's {name} block is not docs/{name}.md's table; regenerate: {REGENERATE}")

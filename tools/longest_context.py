@@ -2,7 +2,7 @@
 
   python tools/longest_context.py                      # 1B Llama, bf16, 80 and 141 GB, 1 / 8 / 32 devices
   python tools/longest_context.py --memory_gb=80 --devices=8 --remat=full,none --mlp_chunk=0,1024
-  python tools/longest_context.py --write               # and rewrite README's <!-- longest-context --> table
+  python tools/longest_context.py --write               # and rewrite docs/long_context.md's <!-- longest-context -->
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/longest_context.py --compile --memory_gb=80
 
 For each device memory, device count (all of them on `sequence`, one
@@ -33,7 +33,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from parallel import analysis, estimate  # pylint: disable=wrong-import-position
-from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
+from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
 from training.dry_run import compile_train_step, model_weights  # pylint: disable=wrong-import-position
 from training.state import plan  # pylint: disable=wrong-import-position
@@ -44,8 +44,8 @@ _DEVICES = flags.DEFINE_list("devices", ["1", "8", "32"], "Device counts, all on
 _REMAT = flags.DEFINE_list("remat", ["full", "full_offload"], "model.remat policies.")
 _MLP_CHUNK = flags.DEFINE_list("mlp_chunk", ["0", "4096"], "model.mlp_chunk values (tokens per device; 0: off).")
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile the `full` remat cells at their lengths and print XLA's peak.")
-_WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between README's <!-- longest-context --> markers.")
-README = Path(__file__).resolve().parent.parent / "README.md"
+_WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between <!-- longest-context --> markers in PAGE.")
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "long_context.md"  # the page that holds the table
 STEP = 1024  # lengths searched in multiples of this (times the device count)
 
 
@@ -139,7 +139,7 @@ def main(argv):
   print(text, end="")
   if _WRITE.value:
     made_by = "\nMade by `python tools/longest_context.py --write` (n/a: Ulysses needs the 8 key/value heads to divide over the devices).\n"
-    README.write_text(replace_block(README.read_text(), "longest-context", text + made_by))
+    PAGE.write_text(replace_block(PAGE.read_text(), "longest-context", text + made_by))
 
 
 if __name__ == "__main__":

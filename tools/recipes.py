@@ -2,7 +2,7 @@
 
   python tools/sweep.py --recipe adamw_vs_l2
   python tools/sweep.py --recipe precision --set steps=30 --out runs/sweeps/precision_short
-  python tools/sweep.py --recipe all --write docs        # README's tables and figures, docs/<recipe>.md
+  python tools/sweep.py --recipe all --write docs        # docs/research.md's tables and figures, docs/<recipe>.md
 
 Each recipe is the tiny model on the built-in corpus, sized to finish in a few
 minutes on a 2-core CPU: a base config, the fields every run shares, and the

@@ -1,8 +1,8 @@
-"""README's "Plan a cluster from a laptop" tables: GPT-2 1.5B dry runs on 64 simulated devices, one command.
+"""docs/planning.md's "Plan a cluster from a laptop" tables: GPT-2 1.5B dry runs on 64 simulated devices, one command.
 
   python tools/scale_table.py                       # every row; prints both tables
   python tools/scale_table.py --rows=zero0,tp8      # a subset
-  python tools/scale_table.py --write               # and rewrite README's <!-- scale:rows --> and <!-- scale:bar -->
+  python tools/scale_table.py --write               # and rewrite docs/planning.md's <!-- scale:rows --> and <!-- scale:bar -->
 
 Each row is one `train.py --dry_run --simulate_devices=64` subprocess (a
 mesh fixes the device count when jax starts), read back from what it prints:
@@ -25,13 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
+from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from training.dry_run import COMPILED_FLOPS, IDEAL  # pylint: disable=wrong-import-position
 
 GiB, MiB = 2**30, 2**20
 BASE = ["--config=configs/gpt2.py:1558m", "--dry_run", "--simulate_devices=64", "--config.batch_size=64"]
 HEADS32 = "--config.model.num_heads=32"  # 25 heads do not split over tensor=8; 32 keep the parameter count
-ROWS = {  # name -> (what README calls the row, its flags beside BASE)
+ROWS = {  # name -> (what docs/planning.md calls the row, its flags beside BASE)
     "zero0": ("data=64, zero=0", ["--config.mesh.data=64"]),
     "zero3": ("data=64, zero=3", ["--config.mesh.data=64", "--config.sharding.zero=3"]),
     "tp8": ("data=8 x tensor=8 (32 heads)", ["--config.mesh.data=8", "--config.mesh.tensor=8", HEADS32]),
@@ -46,8 +46,8 @@ ROWS = {  # name -> (what README calls the row, its flags beside BASE)
 }
 
 _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {', '.join(ROWS)}.")
-_WRITE = flags.DEFINE_bool("write", False, "Rewrite the tables between README's <!-- scale:... --> markers.")
-_README = flags.DEFINE_string("readme", str(ROOT / "README.md"), "The file --write rewrites.")
+_WRITE = flags.DEFINE_bool("write", False, "Rewrite the tables between the <!-- scale:... --> markers of --page.")
+_PAGE = flags.DEFINE_string("page", str(ROOT / "docs" / "planning.md"), "The file --write rewrites.")
 
 # A line of the dry run's comparison: what, estimate MiB, then compiled MiB, ratio and CPU backend MiB where given.
 _BYTES_LINE = re.compile(r"^(memory: \w+ \(.*?\)|[\w-]+ over [\w+-]+|collectives: total)\s+(-?[\d.]+)\s*(-?[\d.]+)?")
@@ -126,10 +126,10 @@ def main(argv):
   unknown = [name for name in _ROWS.value if name not in ROWS]
   if unknown:
     sys.exit(f"error: --rows names {', '.join(unknown)}, not rows of {', '.join(ROWS)}.")
-  readme = Path(_README.value)
+  page = Path(_PAGE.value)
   try:
     if _WRITE.value:  # refuse missing markers before minutes of dry runs, not after
-      replace_block(replace_block(readme.read_text(), "scale:rows", ""), "scale:bar", "")
+      replace_block(replace_block(page.read_text(), "scale:rows", ""), "scale:bar", "")
     results = {}
     for name in _ROWS.value:
       print(f"{name}: {' '.join(command(name)[1:])}", flush=True)
@@ -139,9 +139,9 @@ def main(argv):
   rows, bar = rows_table(results), bar_table(results)
   print(rows + "\n" + bar, end="")
   if _WRITE.value:
-    text = replace_block(readme.read_text(), "scale:rows", rows + made_by())
-    readme.write_text(replace_block(text, "scale:bar", bar + made_by()))
-    print(f"wrote the scale:rows and scale:bar blocks of {readme}")
+    text = replace_block(page.read_text(), "scale:rows", rows + made_by())
+    page.write_text(replace_block(text, "scale:bar", bar + made_by()))
+    print(f"wrote the scale:rows and scale:bar blocks of {page}")
 
 
 if __name__ == "__main__":

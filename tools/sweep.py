@@ -3,7 +3,7 @@
   python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from tools/recipes.py
   python tools/sweep.py --grid optimizer.name=adamw,adam_l2 --grid schedule.warmup_steps=0,200 --seeds 0,1
   python tools/sweep.py --recipe schedule --set steps=40 --out runs/sweeps/quick
-  python tools/sweep.py --recipe all --write docs             # README's tables, docs/*.md and docs/*.png
+  python tools/sweep.py --recipe all --write docs             # docs/research.md's tables, docs/*.md and docs/*.png
 
 Each run is a `train.py` subprocess in `<out>/<its fields>`: a mesh fixes the
 device count when jax starts, so separate processes are the robust way to
@@ -13,8 +13,8 @@ running the same sweep again picks up where it stopped. At the end
 `<out>/results.md`, `<out>/results.csv` and the loss curves `<out>/loss.png`
 (or `--figure`) hold every run. `--write DIR` also puts each recipe's table in
 DIR/<recipe>.md, its figure in DIR/<recipe>.png, and the same table and figure
-between README.md's `<!-- recipe:NAME -->` markers: README's tables are this
-tool's output, never edited by hand.
+between docs/research.md's `<!-- recipe:NAME -->` markers (or --page's): those
+tables are this tool's output, never edited by hand.
 """
 
 import csv
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 from configs import load  # pylint: disable=wrong-import-position
-from tools.readme_blocks import replace_block  # pylint: disable=wrong-import-position
+from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from tools.recipes import RECIPES, Recipe  # pylint: disable=wrong-import-position
 from training.state import model_config  # pylint: disable=wrong-import-position
 from training.validate import check_run  # pylint: disable=wrong-import-position
@@ -193,18 +193,18 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
 
 
 def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
-  """A recipe's caption, table and figure and the command that made them, as docs/ and README hold them."""
+  """A recipe's caption, table and figure and the command that made them, as docs/<recipe>.md and --page hold them."""
   return (f"*`{recipe.name}`*: {recipe.question}\n\n{table}\n![{recipe.name}]({figure})\n\n"
           f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
 
 
-def write_docs(recipe: Recipe, table: str, docs: Path, readme: Path, command: str) -> None:
-  """<docs>/<name>.md, and the same block between the recipe's markers in `readme` (the figure is written)."""
+def write_docs(recipe: Recipe, table: str, docs: Path, page: Path, command: str) -> None:
+  """<docs>/<name>.md, and the same block between the recipe's markers in `page` (the figure is written)."""
   figure = docs / f"{recipe.name}.png"
   (docs / f"{recipe.name}.md").write_text(recipe_block(recipe, table, figure.name, command))
-  link = Path(os.path.relpath(figure.resolve(), readme.resolve().parent)).as_posix()
+  link = Path(os.path.relpath(figure.resolve(), page.resolve().parent)).as_posix()
   block = recipe_block(recipe, table, link, command)
-  readme.write_text(replace_block(readme.read_text(), f"recipe:{recipe.name}", block))
+  page.write_text(replace_block(page.read_text(), f"recipe:{recipe.name}", block))
 
 
 _RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from tools/recipes.py, or all.")
@@ -217,8 +217,8 @@ _OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<r
                            "--write, runs/docs/<recipe>). With --recipe=all, the folder of one per recipe.")
 _FIGURE = flags.DEFINE_string("figure", None, "Where the loss curves go; default <out>/loss.png.")
 _WRITE = flags.DEFINE_string("write", None, "With --recipe: write <this folder>/<recipe>.md and .png, and "
-                             "rewrite the recipe's <!-- recipe:NAME --> block in --readme.")
-_README = flags.DEFINE_string("readme", str(ROOT / "README.md"), "The file whose blocks --write rewrites.")
+                             "rewrite the recipe's <!-- recipe:NAME --> block in --page.")
+_PAGE = flags.DEFINE_string("page", str(ROOT / "docs" / "research.md"), "The file whose blocks --write rewrites.")
 
 
 def recipes_from_flags() -> list[Recipe]:
@@ -268,12 +268,12 @@ def check_write(recipes: list[Recipe]) -> None:
   if not _RECIPE.value or _GRID.value or _SEEDS.value or _DEVICES.value or _FIGURE.value:
     raise ValueError("--write takes --recipe (a name or all) and --set only: the docs hold the recipes' runs, "
                      "and each figure goes to <folder>/<recipe>.png.")
-  readme = Path(_README.value).read_text()
+  page = Path(_PAGE.value).read_text()
   for recipe in recipes:
     try:
-      replace_block(readme, f"recipe:{recipe.name}", "")
+      replace_block(page, f"recipe:{recipe.name}", "")
     except ValueError as error:
-      raise ValueError(f"{_README.value}: {error}") from None
+      raise ValueError(f"{_PAGE.value}: {error}") from None
 
 
 def docs_command(recipe: Recipe) -> str:
@@ -291,8 +291,8 @@ def run_recipe(recipe: Recipe) -> None:
   docs = Path(_WRITE.value)
   table = sweep(recipe, out, docs / f"{recipe.name}.png")
   print(table, end="")
-  write_docs(recipe, table, docs, Path(_README.value), docs_command(recipe))
-  print(f"wrote {docs / recipe.name}.md and .png, and its block in {_README.value}")
+  write_docs(recipe, table, docs, Path(_PAGE.value), docs_command(recipe))
+  print(f"wrote {docs / recipe.name}.md and .png, and its block in {_PAGE.value}")
 
 
 def main(argv):
