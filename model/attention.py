@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.sharding_hooks import attention_strategy, constrain, local_kernel
+from model.placement import constrain, current
 
 
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
@@ -41,8 +41,8 @@ def kernel(cfg: ModelConfig, backend: str) -> str:
 def splash_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
   """Causal attention by the splash kernel (Pallas), for queries and keys that are one contiguous run.
 
-  A Mosaic kernel is not partitioned automatically: parallel/ runs this per
-  device (the `local_kernel` hook) on its rows and heads. Off a TPU the kernel
+  A Mosaic kernel is not partitioned automatically: the placement runs this
+  per device (`Placement.per_device`) on its rows and heads. Off a TPU the kernel
   runs in Pallas' interpreter, which is how the CPU tests check its numbers.
   """
   t, heads, head_dim = q_BTNH.shape[1:]
@@ -59,25 +59,29 @@ def splash_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
   return heads_first(jax.vmap(mha)(q_BNTH, k_BNTH, v_BNTH))
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None) -> jax.Array:
+def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None, cache=None) -> jax.Array:
   """Causal attention by token position, with K <= N key/value heads (grouped-query).
 
-  Positions, not array order, decide what each query may see: a context
-  strategy may reorder the sequence (zig-zag ring attention) and shard it.
-  With `segments_BT` (packed documents, model.document_end) a query sees only
-  keys of its own segment.
+  Positions, not array order, decide what each query may see: the placement's
+  attention strategy may reorder the sequence (zig-zag ring attention) and
+  shard it. With `segments_BT` (packed documents, model.document_end) a query
+  sees only keys of its own segment. With `cache` (decoding, model/kv_cache.py
+  LayerCache) the new keys and values are written into the layer's cache and
+  the queries attend over all of it.
   """
-  strategy = attention_strategy()
+  placement = current()
   if segments_BT is not None:  # parallel/checks.py keeps packing off sharded sequences and cuDNN
     out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
                                       (segments_BT, segments_BT))
-  elif strategy is not None:
-    out_BTNH = strategy(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
+  elif cache is not None:
+    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block)
+  elif placement.attention is not None:
+    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
   elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   elif chosen == "splash":  # causal by index too
-    out_BTNH = local_kernel(splash_attention, q_BTNH, k_BSKH, v_BSKH)
+    out_BTNH = placement.per_device(splash_attention, q_BTNH, k_BSKH, v_BSKH)
   else:
     out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
@@ -294,12 +298,12 @@ class SelfAttention(nnx.Module):
     self.out_bias = zeros((d,), ("embed",))
     self.cfg = cfg
 
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None) -> jax.Array:
     dtype = self.cfg.dtype
     qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype, self.cfg.fp8)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT)
+    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT, cache)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

@@ -8,12 +8,12 @@ from model.config import ModelConfig
 from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
-from model.sharding_hooks import constrain
+from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
 
 
 class Block(nnx.Module):
-  """Pre-LayerNorm transformer block."""
+  """Pre-LayerNorm transformer block; decoding hands it the layer's key/value cache (model/kv_cache.py)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     self.ln_attn = LayerNorm(cfg.embed_dim, cfg.epsilon)
@@ -21,8 +21,8 @@ class Block(nnx.Module):
     self.ln_mlp = LayerNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None) -> jax.Array:
-    x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T, segments_BT)
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None) -> jax.Array:
+    x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T, segments_BT, cache)
     x_BTD = constrain(x_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.ln_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats

@@ -8,7 +8,7 @@ from model.attention import attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param, vocab_param
 from model.moe import MoE
-from model.sharding_hooks import constrain
+from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
 
 
@@ -48,7 +48,7 @@ class Attention(nnx.Module):
                             std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
     self.cfg = cfg
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None):
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
     cfg, dtype = self.cfg, self.cfg.dtype
     q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
     k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
@@ -56,7 +56,7 @@ class Attention(nnx.Module):
     q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
-    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT)
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT, cache)
     return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, cfg.fp8)
 
 
@@ -79,7 +79,7 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-RMSNorm block."""
+  """Pre-RMSNorm block; decoding hands it the layer's key/value cache (model/kv_cache.py)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
@@ -87,8 +87,8 @@ class Block(nnx.Module):
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None):
-    x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T, segments_BT), ACTIVATION_AXES)
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
+    x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache), ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats
 

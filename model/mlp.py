@@ -5,7 +5,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.sharding_hooks import constrain
+from model.placement import constrain
 
 
 class Mlp(nnx.Module):

@@ -13,9 +13,9 @@ and work grow linearly in the sequence. With a capacity, tokens are gathered
 into C slots per expert per group, (E, batch, C, embed), and the experts run as
 a batched matmul; dropless, the sorted tokens run as grouped matmuls
 (`ragged_dot`), one group per expert. The expert computation on slots goes
-through the `expert_strategy` hook: parallel/experts.py installs an all-to-all
-dispatch when experts are sharded over `expert`; there dropless uses the slot
-layout with C = T, the most one group can send one expert.
+through the placement's expert strategy (model/placement.py): an all-to-all
+dispatch (parallel/experts.py) when experts are sharded over `expert`; there
+dropless uses the slot layout with C = T, the most one group can send one expert.
 """
 
 import math
@@ -27,7 +27,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.sharding_hooks import constrain, expert_strategy
+from model.placement import constrain, current
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
 EXPERT_AXES = (None, "batch", None, "embed")  # tokens laid out per expert: (expert, batch, capacity, embed)
@@ -156,7 +156,7 @@ class MoE(nnx.Module):
     cfg, dtype = self.cfg, self.cfg.dtype
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
     routing, stats = route(logits_BTE, positions_T, cfg)
-    weights, run = self._expert_weights(), expert_strategy()
+    weights, run = self._expert_weights(), current().experts
     if cfg.moe_dropless and run is None:  # every choice kept: the sorted tokens, one group per expert
       x_BJD = _gather_rows(x_BTD.astype(dtype), routing.sorted_BJ // cfg.moe_top_k)
       y_BRD = self.experts(x_BJD, *weights, groups=routing)  # row j: the j-th sorted choice

@@ -7,8 +7,6 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
 from model.moe import AUX_LOSS, MoE, summarize
-from model.sharding_hooks import constrain, placed_outside, shard_count
+from model.placement import constrain, current, placed, shard_count
 
 ACTIVATION_AXES = ("batch", "length", "embed")
 STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
@@ -208,7 +206,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
       if not split:
         loss, (d_head, d_x_BtD) = jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, x_BtD, targets_Bt)
         return loss[None, None], (jax.tree.map(lambda d: d[None, None], d_head), d_x_BtD)
-      with placed_outside(*split):
+      with placed(current().placing_outside(*split)):
         loss_RP, (d_head, d_x_RPbtD) = per_shard(head, stack, by_shard(x_BtD, ("embed",)), by_shard(targets_Bt, ()))
       return loss_RP, (d_head, jnp.swapaxes(d_x_RPbtD, 1, 2).reshape(x_BtD.shape))
 

@@ -38,7 +38,7 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
 
 
 def strategy(name: str, mesh):
-  """The attention function the model's hook calls for context strategy `name`."""
+  """The attention function of context strategy `name` (model/placement.py `attention`)."""
   body = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[name]
 
   def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
@@ -49,7 +49,7 @@ def strategy(name: str, mesh):
 
 
 def per_device(mesh):
-  """The runner of attention kernels the partitioner cannot split (model/sharding_hooks.py local_kernel).
+  """The runner of attention kernels the partitioner cannot split (model/placement.py `per_device`).
 
   Each device attends its own rows (`expert`, `data`) and heads (`tensor`); a
   kernel that runs this way needs the whole sequence on each device, outside

@@ -30,7 +30,7 @@ _WEIGHTS = P(EXPERT)  # every expert weight leads with its expert axis
 
 
 def strategy(mesh):
-  """The function MoE layers call to run `experts(x_EBCD, *weights)` over the `expert` axis."""
+  """The function MoE layers call to run `experts(x_EBCD, *weights)` over the `expert` axis (model/placement.py)."""
 
   def run(experts, x_EBCD, weights):
     def dispatch_compute_combine(x_EBCD, *local_weights):

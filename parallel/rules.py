@@ -11,7 +11,6 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from model.sharding_hooks import activation_resolver
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
 ACTIVATION_RULES = (
@@ -72,12 +71,6 @@ def shardings(logical_tree, mesh, rules):
   """NamedShardings for a tree of logical PartitionSpecs (as `nnx.get_partition_spec` gives)."""
   return jax.tree.map(lambda p: NamedSharding(mesh, spec(tuple(p), rules)), logical_tree,
                       is_leaf=lambda x: isinstance(x, P))
-
-
-def activation_sharding(mesh, rules=ACTIVATION_RULES):
-  """While tracing under this context, `constrain` in the model pins activations to the mesh."""
-  return activation_resolver(lambda x, logical_axes: constrain(x, mesh, logical_axes, rules),
-                             lambda logical_axis: shard_count(mesh, logical_axis, rules))
 
 
 def shard_count(mesh, logical_axis: str, rules=ACTIVATION_RULES) -> int:

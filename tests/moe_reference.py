@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from model.layers import matmul
 from model.moe import AUX_LOSS, EXPERT_AXES, _top_k, capacity
-from model.sharding_hooks import constrain, expert_strategy
+from model.placement import constrain, current
 
 
 def route(logits_BTE, positions_T, cfg):
@@ -47,7 +47,7 @@ def call(layer, x_BTD, positions_T):
   dispatch_BTEC, combine_BTEC, stats = route(logits_BTE, positions_T, cfg)
   x_EBCD = constrain(matmul("btec,btd->ebcd", dispatch_BTEC, x_BTD, dtype), EXPERT_AXES)
   weights = layer._expert_weights()  # pylint: disable=protected-access
-  run = expert_strategy()
+  run = current().experts
   y_EBCD = layer.experts(x_EBCD, *weights) if run is None else run(layer.experts, x_EBCD, weights)
   y_BTD = matmul("btec,ebcd->btd", combine_BTEC, constrain(y_EBCD, EXPERT_AXES), dtype)
   stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]

@@ -5,18 +5,19 @@ import collections
 import jax
 
 from conftest import tiny_config
-from parallel import analysis
+from model.placement import placed
+from parallel import analysis, placement
 from parallel.mesh import DATA, TENSOR
 from training.dry_run import abstract_inputs, compile_train_step
 from training.state import param_count, plan
-from training.step import loss_fn, placement
+from training.step import loss_fn
 
 
 def compiled_forward(layout, config):
   state, batch = abstract_inputs(layout, config)
 
   def forward(params, batch):
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       return loss_fn(layout, params, batch)
 
   return jax.jit(forward).lower(state["params"], batch).compile()

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from model.placement import placed
+from parallel import placement
 from training import data
 from training.state import init_state, plan
-from training.step import loss_and_grads, make_train_step, placement
+from training.step import loss_and_grads, make_train_step
 
 LAYOUTS = {
     "data=8": {"mesh.data": 8},
@@ -54,7 +56,7 @@ def gradients(layout, params, batch):
   """Loss and gradients traced as the train step traces them."""
 
   def run(params, batch):
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       (loss, _), grads = loss_and_grads(layout, params, batch, 1)
       return loss, grads
 

@@ -24,12 +24,13 @@ from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
 from conftest import tiny_config
+from model.placement import placed
+from parallel import placement
 from tools.export import export
 from training import data, hf_checkpoint
 from training.checkpoint import Checkpoints
 from training.loop import train
 from training.state import plan, state_from_params
-from training.step import placement
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
@@ -99,7 +100,7 @@ def imported(directory, devices, **overrides):
 def logits(layout, params, tokens):
   @jax.jit
   def forward(params, tokens):
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       model = nnx.merge(layout.graphdef, params)
       return model.predict(tokens)
 

@@ -13,7 +13,8 @@ from conftest import tiny_config
 from model.config import ModelConfig
 import moe_reference
 from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
-from parallel import analysis
+from model.placement import placed
+from parallel import analysis, placement
 from parallel.mesh import DATA, EXPERT
 from test_collectives import compiled_forward
 from test_equivalence import assert_tree_close, setup
@@ -21,7 +22,7 @@ from tools import moe_memory
 from training.dry_run import compile_train_step
 from training.loop import train
 from training.state import active_param_count, param_count, plan
-from training.step import loss_and_grads, placement
+from training.step import loss_and_grads
 
 # Capacity 1.0 on the tiny model drops about a fifth of the choices, so the layouts must agree on drops too.
 GPT2_MOE = {"moe.experts": 8, "moe.top_k": 2, "moe.capacity_factor": 1.0}
@@ -159,7 +160,7 @@ def router_run(overrides, devices):
   _, layout, state, batch = setup(overrides, devices)
 
   def run(params, batch):
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       return loss_and_grads(layout, params, batch, 1)
 
   return jax.device_get(jax.jit(run)(state["params"], batch))

@@ -14,17 +14,14 @@ from flax import nnx
 
 from configs.base import base
 from model.kv_cache import forward_cached, init_cache
-from parallel import rules
+from model.placement import placed
+from parallel import placement, rules
 from parallel.mesh import DATA, EXPERT
 from training import data
 from training.checkpoint import Checkpoints
 from training.dry_run import abstract_inputs
 from training.state import Layout, plan
 from training.tokenizer import run_tokenizer
-
-# Decoding never shards `length`: each step sees one position, and the cache is
-# read whole by every query. Batch, heads and vocabulary keep the training layout.
-DECODE_RULES = tuple((name, None if name == "length" else axes) for name, axes in rules.ACTIVATION_RULES)
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -65,7 +62,7 @@ def make_sampler(layout: Layout, *, batch: int, prompt_len: int, num_tokens: int
   cfg = layout.model
 
   def run(params, prompt_BP, key, temperature, top_k):
-    with rules.activation_sharding(layout.mesh, DECODE_RULES):
+    with placed(placement.for_decoding(layout)):
       model = nnx.merge(layout.graphdef, params)
       logits_BPV, cache = forward_cached(model, prompt_BP, jnp.arange(prompt_len), init_cache(cfg, batch))
       first_BV = logits_BPV[:, -1]

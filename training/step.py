@@ -1,15 +1,13 @@
 """The compiled train and eval steps: `(state, batch) -> (state, metrics)` under one jax.jit."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from model.sharding_hooks import context_strategy, expert_parallelism, local_kernels
-from parallel import context, experts, microbatch, pipeline, rules
-from parallel.mesh import EXPERT, SEQUENCE
+from model.placement import placed
+from parallel import context, microbatch, pipeline, placement
+from parallel.mesh import SEQUENCE
 from training import loss_scale
 from training.optimizer import learning_rate
 from training.state import Layout
@@ -29,20 +27,6 @@ def objective(layout: Layout, params, batch):
 def loss_fn(layout: Layout, params, batch) -> jax.Array:
   """The next-token cross-entropy."""
   return objective(layout, params, batch)[1]["cross_entropy"]
-
-
-@contextlib.contextmanager
-def placement(layout: Layout):
-  """While tracing: activations pinned by the rules, attention by the context strategy, a kernel the
-  partitioner cannot split run per device."""
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(rules.activation_sharding(layout.mesh))
-    stack.enter_context(local_kernels(context.per_device(layout.mesh)))
-    if layout.context != "none":
-      stack.enter_context(context_strategy(context.strategy(layout.context, layout.mesh)))
-    if layout.mesh.shape[EXPERT] > 1 and layout.model.num_experts:
-      stack.enter_context(expert_parallelism(experts.strategy(layout.mesh)))
-    yield
 
 
 def schedule_grad_fn(layout: Layout, scale=None):
@@ -108,7 +92,7 @@ def make_train_step(layout: Layout, config, donate: bool = True):
 
   def train_step(state, batch):
     scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       (loss, stats), grads = loss_and_grads(layout, state["params"], batch, grad_accum, scale)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
@@ -146,7 +130,7 @@ def make_eval_step(layout: Layout):
   """Held-out loss for one batch, on the same mesh and shardings as training."""
 
   def eval_step(params, batch):
-    with placement(layout):
+    with placed(placement.for_layout(layout)):
       return loss_fn(layout, params, batch)
 
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
