@@ -21,6 +21,7 @@ from training.state import init_state, plan
 from training import data, survive
 from training.state_transfer import local_move_suffices, move_state, relocate, share_state
 from training.survive import Survivor, shrunk_config
+from training.survive_events import ProcessesRejoined
 from tools.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,10 +203,11 @@ def test_a_restarted_process_rejoins_on_the_grown_layout_and_trains_on_from_the_
   monkeypatch.setattr(survive, "share_state", sent_by_a_live_replica)
   joining = Survivor(config, layout, split, evaluate=None, eval_due=lambda done: False, joining=True)
   assert joining.compiled is None  # nothing compiled for the layout it will never run
-  state = joining.rejoin(abstract_inputs(layout, config)[0])
+  state, rejoined = joining.rejoin(abstract_inputs(layout, config)[0])
   assert asked == [()] and joining.layout.mesh.size == 8 and joining.config.grad_accum == 1
-  finished = list(joining.steps(state, int(state["step"]), NeverStop()))
-  assert [f.step for f in finished] == [3, 4] and finished[0].rejoined == (0,) and finished[1].rejoined == ()
+  finished = list(joining.steps(state, int(state["step"]), NeverStop(), rejoined))
+  assert [f.step for f in finished] == [3, 4] and finished[1].events == ()
+  assert [(type(e), e.processes) for e in finished[0].events] == [(ProcessesRejoined, (0,))]
   np.testing.assert_array_equal([float(f.metrics["loss"]) for f in finished],
                                 [float(f.metrics["loss"]) for f in uninterrupted[2:]])
 

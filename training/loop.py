@@ -1,26 +1,26 @@
-"""The training loop: plan the layout, resume or initialise, step, log, evaluate, checkpoint, sample."""
+"""The training loop: plan the layout, resume or initialise, then log, evaluate, save and stop around
+the steps a stepper takes (training/stepper.py: on the mesh as planned, or surviving lost processes)."""
 
 import contextlib
-import os
 import time
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
-from parallel import analysis, distributed
+from parallel import distributed
 from parallel.redundancy import survival_problem
 from training import data, hf_checkpoint, metrics
 from training.checkpoint import Checkpoints, cast_like, tokenizer_record
-from training.dry_run import abstract_inputs, compile_train_step, report
-from training.in_flight import StepsInFlight
+from training.dry_run import abstract_inputs, report
+from training.nonfinite import NonfiniteUpdates
 from training.preemption import StopRequests
-from training.profiling import StepProfiler, parse_steps
+from training.profiling import parse_steps
 from training.rejoin import joining_run, refuse_on_cpu
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, init_state, param_count, plan, state_from_params
-from training.step import all_finite, make_eval_step
-from training.survive import Finished, Survivor, leave_together, processes_of
+from training.step import all_finite
+from training.stepper import LocalStepper, Stepper, eval_due
+from training.survive import SurvivingStepper, leave_together, processes_of
 from training.tokenizer import run_tokenizer
 from training.validate import check_run
 from training.workdir_lock import WorkdirLock
@@ -74,7 +74,7 @@ def train(config, dry_run: bool = False) -> dict:
         _check_not_past(start, config.steps, checkpoints)
         checkpoints.check_tokenizer(start, train_split.origin)
       if joining:  # never process 0, which hosts the coordination service: process 0 logs the rejoin
-        state = None  # _run receives it from the live processes
+        state = None  # the stepper receives it from the live processes
       elif start is None and pretrained is not None:
         _log(f"initialising from {pretrained.describe(layout.model)}")
         state = state_from_params(layout, pretrained.load_params(layout))
@@ -88,7 +88,9 @@ def train(config, dry_run: bool = False) -> dict:
              "to train on.")
         last = {}
       else:
-        last = _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving)
+        stepper = SurvivingStepper if surviving else LocalStepper
+        last = _run(config, stepper(config, layout, state, train_split, val_split, stop), checkpoints, stop,
+                    text_tokenizer)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
@@ -140,90 +142,49 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_tokenizer, surviving) -> dict:
-  """Trains from `state`; None joins a surviving run in progress and trains from its state."""
-  seq_len = layout.model.max_len
-
-  def evaluate(eval_step, layout, params) -> float:
-    losses = [eval_step(params, data.global_batch(val_split, seed=config.seed, step=i,
-                                                  batch_size=config.batch_size, seq_len=seq_len,
-                                                  sharding=layout.batch_sharding))
-              for i in range(config.eval_batches)]
-    return float(np.mean(jax.device_get(losses)))
-
-  survivor = _survivor(config, layout, train_split, evaluate, joining=state is None) if surviving else None
-  if state is None:
-    state = survivor.rejoin(abstract_inputs(layout, config)[0])
-    layout = survivor.layout
+def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests, text_tokenizer) -> dict:
+  """Trains with `stepper` from its state to config.steps: logs, evaluates, saves and stops."""
+  state, layout = stepper.state, stepper.layout
   start = int(state["step"])
-  # Compiled ahead so the first interval's tokens/s leaves compilation out and the program's own memory
-  # figure can be logged beside the losses. A survivor evaluates inside its protected block.
-  train_step = survivor.compiled if survivor else compile_train_step(layout, config)
-  eval_step = None if survivor else make_eval_step(layout)
   if stop.signal_name and jax.process_count() == 1:  # several processes agree at the first log step
     _log(f"stopped by {stop.signal_name} before step {start + 1}; nothing new to save.")
     return {}
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
-  peak_bytes = analysis.memory_summary(train_step)["peak_bytes"]
   writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config)
   active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
   _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
   last, interval_start, interval_from = {}, time.perf_counter(), start
-  skipped_before = int(jax.device_get(state["skipped"]))  # a resumed run's count so far
-  tokens_per_step = config.batch_size * seq_len
-  profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
-  if survivor:
-    batches, steps = contextlib.nullcontext(), survivor.steps(state, start, stop)
-  else:
-    batches = data.batches(train_split, seed=config.seed, start=start, stop=config.steps,
-                           batch_size=config.batch_size, seq_len=seq_len,
-                           sharding=layout.batch_sharding, depth=config.data.prefetch)
-    steps = _steps(train_step, state, batches, profiler, stop, config.log_every)
-  with batches, writer, profiler, tqdm(
-      initial=start, total=config.steps, disable=jax.process_index() != 0, leave=False) as bar:
-    for finished in steps:
-      done, state, pending, failure = finished.step, finished.state, finished.metrics, finished.failure
+  nonfinite = NonfiniteUpdates(config.nonfinite, start, int(jax.device_get(state["skipped"])))
+  tokens_per_step = config.batch_size * layout.model.max_len
+  with stepper, writer, tqdm(initial=start, total=config.steps, disable=jax.process_index() != 0,
+                             leave=False) as bar:
+    for finished in stepper.steps():
+      done, state = finished.step, finished.state
       bar.update(1)
-      if failure or finished.rejoined:
-        layout = survivor.layout
-        checkpoints.reopen_for(processes_of(layout), step=done)
-      if finished.rejoined:
-        writer.write(done, {"live_devices": layout.mesh.size, "rejoin_seconds": finished.rejoin_seconds})
-        _log(f"step {done:6d}  process {', '.join(map(str, finished.rejoined))} rejoined: the step ran on "
-             f"{layout.mesh.size} devices, mesh {dict(layout.mesh.shape)}, grad_accum {survivor.config.grad_accum}, "
-             f"after {finished.rejoin_seconds:.1f} s to lay out again and send the state from a live replica")
-      if failure:
-        writer.write(done, {"steps_lost": failure.steps_lost, "recovery_seconds": failure.recovery_seconds,
-                            "detect_seconds": failure.detect_seconds, "relayout_seconds": failure.relayout_seconds,
-                            "live_devices": failure.live_devices})
-        _log(f"step {done:6d}  lost process {', '.join(map(str, failure.lost_processes))}: redid the step on "
-             f"{failure.live_devices} devices, mesh {dict(layout.mesh.shape)}, grad_accum {failure.grad_accum}, "
-             f"{failure.recovery_seconds:.1f} s from the failure ({failure.detect_seconds:.1f} s to detect it, "
-             f"{failure.relayout_seconds:.1f} s to relay out), no step lost")
+      if finished.events:  # processes were lost or came back: saves line up the live ones from here
+        checkpoints.reopen_for(processes_of(stepper.layout), step=done)
+      for event in finished.events:
+        writer.write(done, event.record())
+        _log(event.line())
       if done % config.log_every == 0 or done == config.steps:
-        fetched = jax.device_get(pending)
+        fetched = jax.device_get(finished.metrics)
         tokens_per_sec = (done - interval_from) * tokens_per_step / (time.perf_counter() - interval_start)
         last = {"step": done, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
                 "grad_norm": float(fetched["grad_norm"]), "tokens_per_sec": tokens_per_sec,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
-                "skipped": int(fetched["skipped"]), "peak_bytes": peak_bytes, **_optional_figures(fetched)}
+                "skipped": int(fetched["skipped"]), "peak_bytes": stepper.peak_bytes, **_optional_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
         _log(_format(last))
-        interval, newly_skipped = done - interval_from, last["skipped"] - skipped_before
-        interval_start, interval_from, skipped_before = time.perf_counter(), done, last["skipped"]
-        # nonfinite=skip tolerates the odd bad step, not a run that has stopped learning.
-        if newly_skipped and (config.nonfinite == "stop" or 2 * newly_skipped > interval):
+        interval_start, interval_from = time.perf_counter(), done
+        refusal = nonfinite.refusal(done, last["skipped"])
+        if refusal:
           checkpoints.save_now(done, state, config)  # skipped steps left the state as it was: good
-          advice = ("Lower optimizer.lr or set nonfinite=skip." if config.nonfinite == "stop" else
-                    "More than half were skipped, so the run is not learning: lower optimizer.lr.")
-          raise ValueError(f"step {done}: {newly_skipped} of the last {interval} updates had a non-finite "
-                           f"loss, gradient or update and were not applied; the last good state is "
-                           f"saved as step {done}. {advice}")
-      if _eval_due(config, done):
-        last["eval_loss"] = finished.eval_loss if survivor else evaluate(eval_step, layout, state["params"])
+          raise ValueError(refusal)
+      if eval_due(config, done):
+        last["eval_loss"] = stepper.evaluate(finished)
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
       checkpoints.save(done, state, config, force=done == config.steps)
@@ -235,27 +196,8 @@ def _run(config, layout, state, checkpoints, train_split, val_split, stop, text_
         return last
   checkpoints.wait()
   if config.sample_tokens:
-    _log("sample: " + _sample(layout, state["params"], config, text_tokenizer))
+    _log("sample: " + _sample(stepper.layout, state["params"], config, text_tokenizer))
   return last
-
-
-def _eval_due(config, done: int) -> bool:
-  return bool(config.eval_every) and (done % config.eval_every == 0 or done == config.steps)
-
-
-def _steps(train_step, state, batches, profiler, stop, log_every: int):
-  """Yields a Finished step for each batch; its metrics stay on device."""
-  in_flight = StepsInFlight()
-  for step, batch in batches:
-    done = step + 1
-    profiler.before(done)
-    with profiler.annotate(done):
-      state, pending = train_step(state, batch)
-    in_flight.add(pending["loss"])
-    profiler.after(done, state)
-    if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
-      jax.block_until_ready(pending)
-    yield Finished(done, state, pending, stop=stop.requested(done, log_every))
 
 
 def _protects(config, layout) -> bool:
@@ -266,15 +208,6 @@ def _protects(config, layout) -> bool:
          "run, and the same command resumes it from the last checkpoint.")
     return False
   return True
-
-
-def _survivor(config, layout, train_split, evaluate, joining: bool) -> Survivor:
-  """The survive-mode stepper, for a run `_protects` accepted."""
-  # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
-  if not jax.config.jax_compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
-  return Survivor(config, layout, train_split, evaluate=evaluate, eval_due=lambda done: _eval_due(config, done),
-                  joining=joining)
 
 
 def _sample(layout, params, config, tokenizer) -> str:

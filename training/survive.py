@@ -13,13 +13,18 @@ comes from a live replica (training/rejoin.py).
 """
 
 import dataclasses
+import functools
 import math
+import os
 import time
+from collections.abc import Callable, Iterator
 
 import jax
 from jax._src import distributed as jax_distributed
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+from ml_collections import ConfigDict
 
+from parallel import analysis
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from parallel.redundancy import survival_problem
 from training import data
@@ -27,32 +32,8 @@ from training.dry_run import abstract_inputs
 from training.state_transfer import relocate, share_state
 from training.state import Layout, plan
 from training.step import make_eval_step, make_train_step
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-  """One lost process (or several lost together), as the run survived it."""
-  step: int  # the step that failed and was redone
-  lost_processes: tuple[int, ...]
-  live_devices: int
-  grad_accum: int  # after the shrink
-  recovery_seconds: float  # from the failed step's start to the redone step's end, of which
-  detect_seconds: float  # until every live process knew (heartbeat and collective timeouts)
-  relayout_seconds: float  # the smaller mesh: moving the state and compiling the step
-  steps_lost: int = 0  # the redone step is the one that failed: no finished step is lost
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-  """A step done, as the training loop receives it."""
-  step: int  # 1-based, as logged
-  state: dict
-  metrics: dict  # on device
-  failure: Failure | None = None  # the lost processes this step was redone without
-  stop: bool = False  # the processes agreed to stop here (a signal)
-  eval_loss: float | None = None  # computed with the step where it must survive a lost process too
-  rejoined: tuple[int, ...] = ()  # the processes that came back before this step
-  rejoin_seconds: float = 0.0  # the live processes' pause for them: compiling the grown step, sending the state
+from training.stepper import StepDone, Stepper, eval_due, eval_loss
+from training.survive_events import Interruptions
 
 
 def shrunk_config(config, mesh_shape: dict, live_count: int):
@@ -88,21 +69,60 @@ def shrunk_config(config, mesh_shape: dict, live_count: int):
                 f"replicas with at most {before} rows per device")
 
 
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+  """The run over one set of live devices: its layout, the config it runs there, its compiled steps."""
+  layout: Layout
+  config: ConfigDict  # the run's own, or shrunk to fit the live devices
+  train_step: Callable | None  # None on a process joining, until it is laid out with the live ones
+  eval_step: Callable | None  # None without evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stepped:
+  """A block that ran a step."""
+  state: dict
+  metrics: dict
+  stop: bool
+  eval_loss: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Relaid:
+  """A block that laid the run out again over the live devices and moved the state there."""
+  laid_out: LaidOut
+  state: dict
+  came_back: tuple[int, ...] | None  # the processes back, where the mesh grew; None where it shrank
+
+
 class Survivor:
-  """Train steps that outlive lost processes; `steps()` yields each finished one."""
+  """Train steps that outlive lost processes; `steps()` yields each one done."""
 
   def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None, joining=False):
     """`joining`: this process was started again into a run in progress; `rejoin` is its first call."""
-    self.config, self.layout, self._split = config, layout, split
+    self._split = split
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
     self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
     self._all_devices = list(layout.mesh.devices.flat)
     self._first = config, dict(layout.mesh.shape)  # what a mesh grown back to every device runs
-    self._rejoined, self._rejoin_seconds = (), 0.0  # processes that came back, told with the next finished step
-    self.compiled, self._eval_step = (None, None) if joining else self._compile_steps(layout, config)
+    train_step, eval_step = (None, None) if joining else self._compile_steps(layout, config)
+    self._laid_out = LaidOut(layout, config, train_step, eval_step)
 
-  def rejoin(self, abstract_state) -> dict:
-    """The run's state on the grown mesh, sent from a live replica, on a process started again.
+  @property
+  def layout(self) -> Layout:
+    return self._laid_out.layout
+
+  @property
+  def config(self):
+    return self._laid_out.config
+
+  @property
+  def compiled(self):
+    return self._laid_out.train_step
+
+  def rejoin(self, abstract_state) -> tuple[dict, Interruptions]:
+    """On a process started again: the run's state on the grown mesh, sent from a live replica, and
+    what its first step tells (that this process rejoined).
 
     Waits in the live processes' next step boundary, where they see more live devices than their
     mesh and grow it (`steps`): the same block, the same layout and the same transfer on both sides.
@@ -111,66 +131,61 @@ class Survivor:
       began = time.perf_counter()
       try:
         with live_devices(self._all_devices) as live:
-          relaid = self._relayout(live, grow=True)
-          state = jax.block_until_ready(share_state(abstract_state, relaid[0], holders=()))
+          laid_out = self._relayout(live, grow=True)
+          state = jax.block_until_ready(share_state(abstract_state, laid_out.layout, holders=()))
       except ProcessFailureError:
         continue  # a process lost during the transfer: the live ones lay out again, and so does this one
-      self._rejoined, self._rejoin_seconds = (jax.process_index(),), time.perf_counter() - began
-      self.layout, self.config, (self.compiled, self._eval_step) = relaid
-      return state
+      self._laid_out = laid_out
+      return state, Interruptions(rejoined=(jax.process_index(),), rejoin_seconds=time.perf_counter() - began)
 
-  def steps(self, state, start: int, stop):
-    """Yields each Finished step up to config.steps.
+  def steps(self, state, start: int, stop, interruptions: Interruptions = Interruptions()) -> Iterator[StepDone]:
+    """Yields each step done up to config.steps, with what befell the processes since the one before.
 
-    The processes vote on a stop request, and evaluate when it is due, inside the same block as
-    the step: a process lost during either fails the block, like one lost during the step.
+    `interruptions`: what the first step tells besides its own (a rejoin's, from `rejoin`). The
+    processes vote on a stop request, and evaluate when it is due, inside the same block as the step:
+    a process lost during either fails the block, like one lost during the step.
     """
-    config, step, failed = self.config, start, None  # failed: what Failure needs, while one is handled
-    while step < config.steps:
+    step = start
+    while step < self.config.steps:
       began = time.perf_counter()
       try:
         with live_devices(self._all_devices) as live:
-          if set(live) != set(self.layout.mesh.devices.flat):
-            # Relaid out in a block of its own: its closing barrier lines the processes up again
-            # before the next step's collectives, whatever each spent compiling.
-            grow = not set(live) <= set(self.layout.mesh.devices.flat)  # a process came back
-            relaid = self._relayout(live, step, grow)
-            moved = jax.block_until_ready(relocate(state, self.layout, relaid[0]))
-            new_state = None
-          else:
-            batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
-                                      seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding)
-            new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
-            stopping = stop.requested(step + 1, config.log_every, live)
-            eval_loss = (self._evaluate(self._eval_step, self.layout, new_state["params"])
-                         if self._eval_due(step + 1) else None)
+          # Relaid out in a block of its own: its closing barrier lines the processes up again
+          # before the next step's collectives, whatever each spent compiling.
+          outcome = (self._step(state, step, stop, live) if set(live) == set(self.layout.mesh.devices.flat)
+                     else self._shrink_or_grow(state, step, live))
       except ProcessFailureError:
-        failed = failed or {"began": began, "known": time.perf_counter(),
-                            "processes": processes_of(self.layout), "relayout": 0.0}
+        interruptions = interruptions.failed(began, processes_of(self.layout))
         continue
-      if new_state is None:
-        if grow:
-          self._rejoined = tuple(sorted(processes_of(relaid[0]) - processes_of(self.layout)))
-          self._rejoin_seconds = time.perf_counter() - began
-        self.layout, self.config, (self.compiled, self._eval_step) = relaid
-        state = moved
-        if failed:  # a shrink after a loss; a mesh growing back follows no failure
-          failed["relayout"] += time.perf_counter() - began
+      if isinstance(outcome, _Relaid):
+        interruptions = interruptions.relaid(began, outcome.came_back)
+        self._laid_out, state = outcome.laid_out, outcome.state
         continue
-      state, step = new_state, step + 1
-      failure = None
-      if failed:
-        lost = tuple(sorted(failed["processes"] - processes_of(self.layout)))
-        failure = Failure(step=step, lost_processes=lost,
-                          live_devices=self.layout.mesh.size, grad_accum=self.config.grad_accum,
-                          recovery_seconds=time.perf_counter() - failed["began"],
-                          detect_seconds=failed["known"] - failed["began"], relayout_seconds=failed["relayout"])
-        failed = None
-      rejoined, self._rejoined = self._rejoined, ()
-      yield Finished(step, state, metrics, failure, stopping, eval_loss, rejoined, self._rejoin_seconds)
-      self._rejoin_seconds = 0.0
+      state, step = outcome.state, step + 1
+      events = interruptions.events(step, self.layout, self.config.grad_accum, processes_of(self.layout))
+      yield StepDone(step, state, outcome.metrics, outcome.stop, events, outcome.eval_loss)
+      interruptions = Interruptions()
 
-  def _relayout(self, live, step: int | None = None, grow: bool = False):
+  def _step(self, state, step: int, stop, live) -> _Stepped:
+    """Step `step` + 1 on the current layout, the stop vote, and the evaluation where due."""
+    config, layout = self.config, self.layout
+    batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
+                              seq_len=layout.model.max_len, sharding=layout.batch_sharding)
+    new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
+    stopping = stop.requested(step + 1, config.log_every, live)
+    eval_loss = (self._evaluate(self._laid_out.eval_step, layout, new_state["params"])
+                 if self._eval_due(step + 1) else None)
+    return _Stepped(new_state, metrics, stopping, eval_loss)
+
+  def _shrink_or_grow(self, state, step: int, live) -> _Relaid:
+    """The run laid out over the `live` devices, after `step` steps, with `state` moved there."""
+    grow = not set(live) <= set(self.layout.mesh.devices.flat)  # a process came back
+    laid_out = self._relayout(live, step, grow)
+    moved = jax.block_until_ready(relocate(state, self.layout, laid_out.layout))
+    came_back = tuple(sorted(processes_of(laid_out.layout) - processes_of(self.layout))) if grow else None
+    return _Relaid(laid_out, moved, came_back)
+
+  def _relayout(self, live, step: int | None = None, grow: bool = False) -> LaidOut:
     """The layout over the live devices: fewer replicas after a loss, and after a rejoin as many as
     the run's own config fits on them (all of them back: the run's own layout). `step`, the steps
     done, names the failed one in a refusal; a rejoining process does not know it yet."""
@@ -187,7 +202,38 @@ class Survivor:
       event = "a process came back" if grow else f"a process was lost before step {step + 1}"
       raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; run the "
                        "same command again to resume from the last checkpoint.")
-    return layout, smaller, self._compile_steps(layout, smaller)
+    return LaidOut(layout, smaller, *self._compile_steps(layout, smaller))
+
+
+class SurvivingStepper(Stepper):
+  """The loop's steps in survive mode, a Survivor's; a process started again (`state` None) rejoins
+  the run in progress here and takes its state from a live replica."""
+
+  def __init__(self, config, layout: Layout, state: dict | None, train_split, val_split, stop):
+    # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
+    if not jax.config.jax_compilation_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
+    self._survivor = Survivor(config, layout, train_split,
+                              evaluate=functools.partial(eval_loss, split=val_split, config=config),
+                              eval_due=functools.partial(eval_due, config), joining=state is None)
+    # What the first step tells of the time before it: on a process started again, that it rejoined.
+    self._stop, self._first_tells = stop, Interruptions()
+    if state is None:
+      state, self._first_tells = self._survivor.rejoin(abstract_inputs(layout, config)[0])
+    self.state = state
+    self.peak_bytes = analysis.memory_summary(self._survivor.compiled)["peak_bytes"]
+
+  @property
+  def layout(self) -> Layout:
+    return self._survivor.layout
+
+  def steps(self) -> Iterator[StepDone]:
+    for done in self._survivor.steps(self.state, int(self.state["step"]), self._stop, self._first_tells):
+      self.state = done.state
+      yield done
+
+  def evaluate(self, done: StepDone) -> float:
+    return done.eval_loss  # evaluated inside the step's block: a process lost during it fails the step
 
 
 def processes_of(layout: Layout) -> set[int]:

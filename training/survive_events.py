@@ -1,0 +1,89 @@
+"""What befell a surviving run's processes between two steps (fault_tolerance=survive), told to the
+loop with the next step done: each event knows its metrics record and its log line."""
+
+import dataclasses
+import time
+
+from training.state import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessesLost:
+  """Processes lost during a step, which the live ones redid without them."""
+  step: int  # the step that failed and was redone
+  processes: tuple[int, ...]
+  live_devices: int
+  mesh: dict  # the shape the step was redone on
+  grad_accum: int  # after the shrink
+  recovery_seconds: float  # from the failed step's start to the redone step's end, of which
+  detect_seconds: float  # until every live process knew (heartbeat and collective timeouts)
+  relayout_seconds: float  # the smaller mesh: moving the state and compiling the step
+
+  def record(self) -> dict:
+    return {"steps_lost": 0,  # the redone step is the one that failed: no finished step is lost
+            "recovery_seconds": self.recovery_seconds, "detect_seconds": self.detect_seconds,
+            "relayout_seconds": self.relayout_seconds, "live_devices": self.live_devices}
+
+  def line(self) -> str:
+    return (f"step {self.step:6d}  lost process {', '.join(map(str, self.processes))}: redid the step on "
+            f"{self.live_devices} devices, mesh {self.mesh}, grad_accum {self.grad_accum}, "
+            f"{self.recovery_seconds:.1f} s from the failure ({self.detect_seconds:.1f} s to detect it, "
+            f"{self.relayout_seconds:.1f} s to relay out), no step lost")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessesRejoined:
+  """Processes started again that joined the run before a step."""
+  step: int  # the first step they took part in
+  processes: tuple[int, ...]
+  live_devices: int
+  mesh: dict  # the shape the step ran on
+  grad_accum: int
+  seconds: float  # the live processes' pause for them: compiling the grown step, sending the state
+
+  def record(self) -> dict:
+    return {"live_devices": self.live_devices, "rejoin_seconds": self.seconds}
+
+  def line(self) -> str:
+    return (f"step {self.step:6d}  process {', '.join(map(str, self.processes))} rejoined: the step ran on "
+            f"{self.live_devices} devices, mesh {self.mesh}, grad_accum {self.grad_accum}, after "
+            f"{self.seconds:.1f} s to lay out again and send the state from a live replica")
+
+
+@dataclasses.dataclass(frozen=True)
+class Interruptions:
+  """What befell the run since its last step done, gathered block by block and told with the next."""
+  rejoined: tuple[int, ...] = ()  # the processes that came back
+  rejoin_seconds: float = 0.0
+  failed_at: float | None = None  # when the first block that failed began (time.perf_counter)
+  known_at: float = 0.0  # when every live process knew of the loss
+  before: frozenset[int] = frozenset()  # the run's processes before the loss
+  relayout_seconds: float = 0.0
+
+  def failed(self, began: float, processes: set[int]) -> "Interruptions":
+    """After a block from `began` over `processes` failed; a recovery is timed from the first failure."""
+    if self.failed_at is not None:
+      return self
+    return dataclasses.replace(self, failed_at=began, known_at=time.perf_counter(), before=frozenset(processes))
+
+  def relaid(self, began: float, came_back: tuple[int, ...] | None) -> "Interruptions":
+    """After a block from `began` laid the run out again; `came_back`: the processes back where it grew."""
+    took = time.perf_counter() - began
+    changes = {} if came_back is None else {"rejoined": came_back, "rejoin_seconds": took}
+    if self.failed_at is not None:  # a shrink after a loss; a mesh growing back follows no failure
+      changes["relayout_seconds"] = self.relayout_seconds + took
+    return dataclasses.replace(self, **changes)
+
+  def events(self, step: int, layout: Layout, grad_accum: int, processes: set[int]) -> tuple:
+    """The events to tell with `step`, done on `layout` by `processes`."""
+    told = []
+    if self.rejoined:
+      told.append(ProcessesRejoined(step, self.rejoined, layout.mesh.size, dict(layout.mesh.shape), grad_accum,
+                                    self.rejoin_seconds))
+    if self.failed_at is not None:
+      told.append(ProcessesLost(step, tuple(sorted(self.before - processes)), layout.mesh.size,
+                                dict(layout.mesh.shape), grad_accum,
+                                recovery_seconds=time.perf_counter() - self.failed_at,
+                                detect_seconds=self.known_at - self.failed_at,
+                                relayout_seconds=self.relayout_seconds))
+    return tuple(told)
