@@ -25,10 +25,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.attention import blockwise_attention, flash_gradients, merge_blocks
-from parallel.mesh import DATA, EXPERT, SEQUENCE, TENSOR
+from parallel.mesh import SEQUENCE, TENSOR
+from parallel.rules import BATCH_AXES
 
 STRATEGIES = ("allgather", "ring", "ulysses")
-_ACTIVATION = P((EXPERT, DATA), SEQUENCE)  # (batch, length, ...) as parallel/rules.py lays activations out
+_ACTIVATION = P(BATCH_AXES, SEQUENCE)  # (batch, length, ...) as parallel/rules.py lays activations out
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -43,7 +44,7 @@ def strategy(name: str, mesh):
 
   def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
     return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=(_ACTIVATION, _ACTIVATION, _ACTIVATION, P(SEQUENCE)),
-                         out_specs=_ACTIVATION, axis_names={EXPERT, DATA, SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
+                         out_specs=_ACTIVATION, axis_names={*BATCH_AXES, SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
 
   return attend
 
@@ -51,16 +52,16 @@ def strategy(name: str, mesh):
 def per_device(mesh):
   """The runner of attention kernels the partitioner cannot split (model/placement.py `per_device`).
 
-  Each device attends its own rows (`expert`, `data`) and heads (`tensor`); a
+  Each device attends its own rows (BATCH_AXES) and heads (`tensor`); a
   kernel that runs this way needs the whole sequence on each device, outside
   a pipeline's stages (parallel/checks.py).
   """
-  spec = P((EXPERT, DATA), None, TENSOR)
+  spec = P(BATCH_AXES, None, TENSOR)
 
   def run(kernel, q_BTNH, k_BTKH, v_BTKH):
     # Pallas kernels do not state how their outputs vary over the manual axes: every one does, per device.
     return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names={EXPERT, DATA, TENSOR}, check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+                         axis_names={*BATCH_AXES, TENSOR}, check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
 
   return run
 

@@ -118,14 +118,12 @@ def shard_elements(weight: Weight, mesh: dict, table) -> int:
   spec = rules.spec(weight.axes, table)
   size = 1
   for dim, entry in zip(weight.shape, tuple(spec) + (None,) * len(weight.shape)):
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    size *= -(-dim // math.prod(mesh[a] for a in axes))
+    size *= -(-dim // math.prod(mesh[a] for a in rules.entry_axes(entry)))
   return size
 
 
 def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
-  return {a for e in rules.spec(weight.axes, table) if e
-          for a in ((e,) if isinstance(e, str) else e) if mesh[a] > 1}
+  return {a for e in rules.spec(weight.axes, table) for a in rules.entry_axes(e) if mesh[a] > 1}
 
 
 def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:

@@ -23,9 +23,10 @@ the all-gather of its weights that FSDP performs anyway.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from parallel.mesh import DATA, EXPERT
+from parallel.mesh import EXPERT
+from parallel.rules import BATCH_AXES
 
-_TOKENS = P(None, (EXPERT, DATA))  # (E, batch, capacity, embed): the batch as every activation splits it
+_TOKENS = P(None, BATCH_AXES)  # (E, batch, capacity, embed): the batch as every activation splits it
 _WEIGHTS = P(EXPERT)  # every expert weight leads with its expert axis
 
 
@@ -39,6 +40,6 @@ def strategy(mesh):
       return jax.lax.all_to_all(y_eBCD, EXPERT, split_axis=1, concat_axis=0, tiled=True)
 
     return jax.shard_map(dispatch_compute_combine, mesh=mesh, in_specs=(_TOKENS,) + (_WEIGHTS,) * len(weights),
-                         out_specs=_TOKENS, axis_names={DATA, EXPERT})(x_EBCD, *weights)
+                         out_specs=_TOKENS, axis_names=set(BATCH_AXES))(x_EBCD, *weights)
 
   return run

@@ -30,6 +30,7 @@ map gathered, once per step).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from model.transformer import STACKED
 from parallel import microbatch, schedules
-from parallel.mesh import DATA, EXPERT, PIPELINE
+from parallel.mesh import DATA, PIPELINE
+from parallel.rules import BATCH_AXES, as_entry, entry_axes
 
-BATCH = (EXPERT, DATA)  # the axes that split a batch's rows (parallel/rules.py `batch`)
-MANUAL = (PIPELINE, *BATCH)
+MANUAL = (PIPELINE, *BATCH_AXES)
 
 
 def loss_and_grads(layout, params, batch, scale=None):
@@ -59,7 +60,7 @@ def loss_and_grads(layout, params, batch, scale=None):
   weight_specs = {k: jax.tree.map(lambda _: P(PIPELINE) if k == STACKED else P(), v) for k, v in params.items()}
   params = {**params, STACKED: _stage_major(params[STACKED], virtual, stages)}
   scale = jnp.ones((), jnp.float32) if scale is None else scale
-  loss, grads = jax.shard_map(body, mesh=layout.mesh, in_specs=(weight_specs, P(BATCH), P(BATCH), P()),
+  loss, grads = jax.shard_map(body, mesh=layout.mesh, in_specs=(weight_specs, P(BATCH_AXES), P(BATCH_AXES), P()),
                               out_specs=(P(), grad_specs), axis_names=set(MANUAL))(
                                   params, batch["inputs"], batch["targets"], scale)
   return loss, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
@@ -67,10 +68,7 @@ def loss_and_grads(layout, params, batch, scale=None):
 
 def _manual(sharding):
   """The part of a weight's sharding over the map's manual axes: how its gradient leaves the map."""
-  def keep(entry):
-    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in MANUAL)
-    return axes[0] if len(axes) == 1 else (axes or None)
-  return P(*(keep(entry) for entry in sharding.spec))
+  return P(*(as_entry(tuple(a for a in entry_axes(entry) if a in MANUAL)) for entry in sharding.spec))
 
 
 def _varying(x):
@@ -82,7 +80,7 @@ def _varying(x):
 def _reduce(grad, spec):
   """One device's gradient summed over the devices that share its weight: scattered over `data` where
   the weight is split over it (ZeRO-3), summed over every other manual axis it is not split over."""
-  split = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+  split = {a for entry in spec for a in entry_axes(entry)}
   if DATA in split:
     grad = jax.lax.psum_scatter(grad, DATA, scatter_dimension=tuple(spec).index(DATA), tiled=True)
   summed = tuple(a for a in MANUAL if a not in split)
@@ -105,7 +103,7 @@ def _run_stage(layout, params, blocks, x_bTD):
 
 
 def _shards(layout) -> int:
-  return layout.mesh.shape[EXPERT] * layout.mesh.shape[DATA]
+  return math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
 
 
 def _circular(layout, params, inputs_BT, targets_BT, scale):

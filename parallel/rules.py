@@ -27,6 +27,8 @@ ACTIVATION_RULES = (
     ("head_dim", None),
 )
 
+BATCH_AXES = dict(ACTIVATION_RULES)["batch"]  # the mesh axes that split a batch's rows, for shard_map specs
+
 _WEIGHT_RULES = (
     ("layers", PIPELINE),
     ("vocab", TENSOR),
@@ -50,6 +52,16 @@ def optimizer_rules(zero: int, axis: str = DATA) -> tuple:
   """ZeRO-1 and ZeRO-3 keep Adam's moments in the FSDP layout; ZeRO-0 mirrors the weights."""
   return weight_rules(3 if zero >= 1 else 0, axis)
 
+def entry_axes(entry) -> tuple:
+  """The mesh axes of one PartitionSpec entry (None, one axis name, or a tuple of them) as a tuple."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def as_entry(axes: tuple):
+  """The PartitionSpec entry for a tuple of mesh axes: None, the one name, or the tuple."""
+  return axes[0] if len(axes) == 1 else (axes or None)
+
+
 def spec(logical_axes, rules) -> P:
   """The PartitionSpec for a tuple of logical names (None = unsharded)."""
   table = dict(rules)
@@ -60,11 +72,9 @@ def spec(logical_axes, rules) -> P:
       continue
     if name not in table:
       raise KeyError(f"logical axis {name!r} has no rule; add one to parallel/rules.py.")
-    wanted = table[name]
-    wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted or ())
-    free = tuple(a for a in wanted if a not in used)
+    free = tuple(a for a in entry_axes(table[name]) if a not in used)
     used.update(free)
-    out.append(free[0] if len(free) == 1 else (free or None))
+    out.append(as_entry(free))
   return P(*out)
 
 def shardings(logical_tree, mesh, rules):
@@ -78,7 +88,7 @@ def shard_count(mesh, logical_axis: str, rules=ACTIVATION_RULES) -> int:
   are already split off (the map's body sees one shard of them)."""
   entry = spec((logical_axis,), rules)[0]
   manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-  return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in manual)
+  return math.prod(mesh.shape[a] for a in entry_axes(entry) if a not in manual)
 
 
 def constrain(x, mesh, logical_axes, rules=ACTIVATION_RULES):
@@ -92,9 +102,7 @@ def constrain(x, mesh, logical_axes, rules=ACTIVATION_RULES):
   if context.empty:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical_axes, rules)))
   manual = set(context.manual_axes)
-  automatic = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual)
-  entries = [automatic(e) for e in spec(logical_axes, rules)]
-  target = P(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+  target = P(*(as_entry(tuple(a for a in entry_axes(e) if a not in manual)) for e in spec(logical_axes, rules)))
   return jax.lax.with_sharding_constraint(x, NamedSharding(context, target))
 
 def named(mesh, *logical_axes) -> NamedSharding:
