@@ -98,7 +98,7 @@ class Dims:
 
 def dims(config, mesh: dict) -> Dims:
   m, tensor = config.model, mesh[TENSOR]
-  micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
+  micro = schedules.micro_batches(config, mesh[PIPELINE])
   padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   batch = config.batch_size // micro // (mesh[DATA] * mesh[EXPERT])
   return Dims(mesh=mesh, batch=batch,
@@ -480,7 +480,7 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
   Recomputation (a remat policy) runs the forward again.
   """
   # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond).
-  forward = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
+  forward = schedules.micro_batches(config, mesh[PIPELINE])
   backward = forward
   return forward * (2 if config.model.remat in ("full", "full_offload") else 1), backward
 
@@ -504,7 +504,7 @@ def _tensor_parallel(config, mesh, traffic):
   per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
   outside = (d.tokens * d.embed * F32_BYTES
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
-  micro = config.grad_accum * (config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1)
+  micro = schedules.micro_batches(config, mesh[PIPELINE])
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
                                       + micro * _all_reduce(outside, t))
 

@@ -19,6 +19,12 @@ tables printed are the schedule the code runs.
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+def micro_batches(config, stages: int) -> int:
+  """How many micro-batches one step runs forward: grad_accum of them, each split again into the
+  pipeline's micro-batches when the mesh has stages."""
+  return config.grad_accum * (config.pipeline.microbatches if stages > 1 else 1)
+
+
 def circular_slot(tick, stage, *, stages: int, virtual: int, micro: int):
   """(micro-batch, virtual stage, valid) at (tick, stage) of the circular pipeline."""
   k = (tick - stage) % stages

@@ -17,7 +17,7 @@ from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
 from model.transformer import chunk_positions
-from parallel import rules
+from parallel import rules, schedules
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
@@ -77,7 +77,7 @@ def plan(config, devices=None) -> Layout:
                 fsdp_group=config.sharding.fsdp_group)
   check_backend(cfg, mesh.devices.flat[0])
   cfg = dataclasses.replace(cfg, attention=attention_kernel(cfg, dict(mesh.shape), mesh.devices.flat[0].platform))
-  micro = config.grad_accum * (config.pipeline.microbatches if mesh.shape[PIPELINE] > 1 else 1)
+  micro = schedules.micro_batches(config, mesh.shape[PIPELINE])
   rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
   to_positions = lambda tokens: chunk_positions(tokens, rows, mesh.shape[SEQUENCE]) if tokens else 0
   cfg = dataclasses.replace(cfg, loss_chunk=to_positions(cfg.loss_chunk), mlp_chunk=to_positions(cfg.mlp_chunk),
