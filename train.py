@@ -54,7 +54,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep jax's backend chatter off the console
   if _SIMULATE_DEVICES.value:
     _simulate(_SIMULATE_DEVICES.value, _DRY_RUN.value)
-  from training.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
+  from run.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
   config_file = flags.FLAGS["config"].config_filename.split(":")[0]
   if not os.path.isfile(config_file):
     sys.exit(f"error: the config file {config_file!r} does not exist; give one like configs/gpt2.py:tiny.")

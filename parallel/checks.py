@@ -3,8 +3,8 @@ mesh, or that asks the devices for something they lack."""
 
 from model.attention import SPLASH_BLOCK, kernel
 from model.config import ModelConfig
-from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 from parallel.context import STRATEGIES
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 from parallel.schedules import SCHEDULES
 
 

@@ -84,7 +84,7 @@ def busy_slots(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> d
   """{the schedule's ticks: the ticks a stage's slot is busy}, the same for each slot and stage.
 
   Every slot runs under lax.cond, so of its loop's ticks a slot does work on
-  these alone: the reading of a compiled pipeline (parallel/analysis.py `busy`).
+  these alone: the reading of a compiled pipeline (measure/analysis.py `busy`).
   """
   rows = timeline(schedule, stages=stages, micro=micro, virtual=virtual)
   busy = {sum("F" in cell for cell in row) for row in rows}

@@ -1,4 +1,4 @@
-"""Tests for parallel/analysis.py on 8 simulated CPU devices."""
+"""Tests for measure/analysis.py on 8 simulated CPU devices."""
 
 import os
 
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallel import analysis
+from measure import analysis
 
 AXES = ("data", "pipeline", "expert", "sequence", "tensor")
 AUTO = (jax.sharding.AxisType.Auto,) * len(AXES)

@@ -1,11 +1,11 @@
-"""training/benchmark.py: one measurement of the real train step yields every field, with sane values."""
+"""measure/benchmark.py: one measurement of the real train step yields every field, with sane values."""
 
 import math
 
 import pytest
 
 from conftest import tiny_config
-from training.benchmark import measure
+from measure.benchmark import measure
 from training.state import param_count, plan
 
 

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from training import data
+from input_pipeline import data
+from resilience.preemption import StopRequests
+from run import loop
+from run.loop import train
 from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs
-from training import loop
-from training.loop import train
-from training.preemption import StopRequests
-from training.state import plan
+from training.state import abstract_inputs, plan
 from training.step import make_train_step
 
 

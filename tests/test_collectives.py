@@ -5,12 +5,12 @@ import collections
 import jax
 
 from conftest import tiny_config
+from measure import analysis
 from model.placement import placed
-from parallel import analysis, placement
+from parallel import placement
 from parallel.mesh import DATA, TENSOR
-from training.dry_run import abstract_inputs, compile_train_step
-from training.state import param_count, plan
-from training.step import loss_fn
+from training.state import abstract_inputs, param_count, plan
+from training.step import compile_train_step, loss_fn
 
 
 def compiled_forward(layout, config):

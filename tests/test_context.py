@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from parallel import analysis, context
+from measure import analysis
+from parallel import context
 from parallel.checks import check_divides
 from parallel.context import zigzag_order
 from parallel.mesh import make_mesh

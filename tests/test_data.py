@@ -1,4 +1,4 @@
-"""Tests for training/data.py, training/tokenizer.py and tools/prepare.py."""
+"""Tests for input_pipeline/data.py, input_pipeline/tokenizer.py and tools/prepare.py."""
 
 import os
 
@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
+from input_pipeline import data, token_files, tokenizer
+from run.loop import train
 from tools import prepare
-from training import data, token_files, tokenizer
-from training.loop import train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 B, T = 8, 16

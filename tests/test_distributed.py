@@ -12,11 +12,10 @@ from ml_collections import ConfigDict
 
 from conftest import tiny_config
 from parallel.distributed import wants_distributed
-from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs
-from training.loop import train
-from training.state import plan
+from run.loop import train
 from tools.launch import free_port
+from training.checkpoint import Checkpoints
+from training.state import abstract_inputs, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Hybrid sharding over 4 processes (data=8 in groups of 4) runs in tests/test_survive.py, which also loses two.

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from input_pipeline import data
 from model.placement import placed
 from parallel import placement
-from training import data
 from training.state import init_state, plan
 from training.step import loss_and_grads, make_train_step
 

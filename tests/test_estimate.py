@@ -1,11 +1,11 @@
-"""The analytic estimate (parallel/estimate.py) against the compiled program, over a grid of layouts.
+"""The analytic estimate (measure/estimate.py) against the compiled program, over a grid of layouts.
 
 Each layout's train step is compiled once (tiny GPT-2, float32). Memory: the
 estimated params + optimizer state + batch against XLA's argument bytes, and
 gradients + activations against its temporary bytes, within 15%. Collectives:
 the bytes each device sends per step, per kind and mesh axes, read off the
 program as partitioned, before the CPU backend's passes (what a GPU or TPU
-compiler receives, parallel/analysis.py), within 10%. FLOPs per device: the
+compiler receives, measure/analysis.py), within 10%. FLOPs per device: the
 estimated matmul FLOPs against the partitioned program's dots (loops times
 their trips, a pipeline's lax.cond slots on the ticks its schedule fills),
 within 10% on every layout.
@@ -28,10 +28,10 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from conftest import tiny_config
 from configs.gpt2 import get_config
+from measure import analysis, estimate
+from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
 from model.llama import SwiGLU
 from model.mlp import Mlp
-from parallel import analysis, estimate
-from training.dry_run import busy_slots, compile_partitioned_train_step, model_weights
 from training.state import model_config, plan
 
 TOLERANCE = 0.15  # memory
@@ -54,7 +54,7 @@ LAYOUTS = {
 # final LayerNorm 2 x 64); 118528 in all. The token table's two uses (lookup and head) are reduced apart,
 # so the gradient reduced is 4 x (118528 + 16384) = 539648 bytes. One pipeline micro-batch's activations
 # (batch 16 / 4 data / 4 micro-batches = 1 sequence) are 32 x 64 x 4 = 8192 bytes. The ring bytes one
-# device sends (parallel/estimate.py): all-reduce 2N(D-1)/D, all-gather and reduce-scatter N(D-1)/D.
+# device sends (measure/estimate.py): all-reduce 2N(D-1)/D, all-gather and reduce-scatter N(D-1)/D.
 
 # layout -> (the textbook estimate, what the compiled program sends or None for the textbook, keys it adds
 # that stay under 10% of it)

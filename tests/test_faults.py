@@ -18,13 +18,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import tiny_config
-from training import data
+from input_pipeline import data
+from input_pipeline.token_files import write_token_folder
+from run.loop import train
 from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs
-from training.loop import train
-from training.state import init_state, plan
+from training.state import abstract_inputs, init_state, plan
 from training.step import make_train_step
-from training.token_files import write_token_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,7 +190,7 @@ def test_a_tokenizer_is_known_by_its_content_and_a_checkpoint_without_a_record_b
 
 
 def test_a_second_run_in_a_workdir_is_refused_and_a_killed_runs_lock_taken_over(tmp_path):
-  hold = "import sys, time; from training.workdir_lock import WorkdirLock\n" \
+  hold = "import sys, time; from resilience.workdir_lock import WorkdirLock\n" \
          "with WorkdirLock(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)"
   holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline() == "held\n"

@@ -24,12 +24,13 @@ from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
 from conftest import tiny_config
+from input_pipeline import data
+from interop import hf_checkpoint
 from model.placement import placed
 from parallel import placement
+from run.loop import train
 from tools.export import export
-from training import data, hf_checkpoint
 from training.checkpoint import Checkpoints
-from training.loop import train
 from training.state import plan, state_from_params
 
 ROOT = Path(__file__).resolve().parent.parent

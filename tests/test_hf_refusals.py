@@ -17,9 +17,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import tiny_config
+from interop import hf_checkpoint, hf_mapping
+from run.loop import train
 from tools.export import export
-from training import hf_checkpoint, hf_mapping
-from training.loop import train
 from training.state import plan
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,12 +13,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from conftest import tiny_config
 from test_data import data_config, write_corpus
 from test_hf_checkpoint import run_reference
+from input_pipeline import data
+from input_pipeline.tokenizer import load_tokenizer, run_tokenizer
 from tools import prepare
 from tools.export import export
-from training import data
 from training.checkpoint import Checkpoints
 from training.state import init_state, plan
-from training.tokenizer import load_tokenizer, run_tokenizer
 
 END = "<|endoftext|>"
 

@@ -12,17 +12,17 @@ from flax import nnx
 from conftest import tiny_config
 from model.config import ModelConfig
 import moe_reference
+from measure import analysis
 from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
 from model.placement import placed
-from parallel import analysis, placement
+from parallel import placement
 from parallel.mesh import DATA, EXPERT
 from test_collectives import compiled_forward
 from test_equivalence import assert_tree_close, setup
+from run.loop import train
 from tools import moe_memory
-from training.dry_run import compile_train_step
-from training.loop import train
 from training.state import active_param_count, param_count, plan
-from training.step import loss_and_grads
+from training.step import compile_train_step, loss_and_grads
 
 # Capacity 1.0 on the tiny model drops about a fifth of the choices, so the layouts must agree on drops too.
 GPT2_MOE = {"moe.experts": 8, "moe.top_k": 2, "moe.capacity_factor": 1.0}

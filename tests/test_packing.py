@@ -11,7 +11,7 @@ from model.attention import attention_block, blockwise_attention
 from model.transformer import document_ids, document_positions, token_losses
 from test_blockwise import LLAMA, qkv
 from test_equivalence import assert_tree_close, loss_and_gradients
-from training.loop import train
+from run.loop import train
 from training.state import build_model, model_config, plan
 
 END = 10  # the byte tokenizer's end of text ("\n"), which ends each line of the built-in corpus

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from parallel import analysis, schedules
+from measure import analysis
+from parallel import schedules
 from test_equivalence import (BF16_LOSS_RTOL, STEPS, assert_bf16_gradients_close, assert_params_close,
                               assert_tree_close, loss_and_gradients, run_layout)
 from tools import pipeline_bubble
-from training.dry_run import compile_train_step
 from training.state import plan
+from training.step import compile_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEP = {"model.num_layers": 8, "pipeline.microbatches": 4}  # 8 layers split over P x V = 2 x 4 or 4 x 2

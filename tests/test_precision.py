@@ -10,15 +10,15 @@ import pytest
 from jax.extend import core as jax_core
 
 from conftest import tiny_config
+from measure import analysis
 from model import fp8
-from parallel import analysis
 from parallel.checks import check_backend
 from test_equivalence import assert_tree_close, batch_at, gradients
-from training import data, loss_scale
-from training.dry_run import abstract_inputs, compile_train_step
-from training.loop import train
-from training.state import init_state, model_config, plan
-from training.step import make_train_step
+from input_pipeline import data
+from run.loop import train
+from training import loss_scale
+from training.state import abstract_inputs, init_state, model_config, plan
+from training.step import compile_train_step, make_train_step
 
 
 def first_step(compute):

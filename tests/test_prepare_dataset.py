@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from test_data import REPO_ROOT, data_config
+from input_pipeline import data, tokenizer
 from tools import prepare
-from training import data, tokenizer
 
 DOCUMENTS = ["the first document", "héllo wörld\nwith a newline", "", "日本 {\"not\": \"json syntax\"}"] * 40
 

@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import tiny_config
-from training.loop import train
-from training.profiling import parse_steps
+from measure.profiling import parse_steps
+from run.loop import train
 
 
 def test_three_step_run_writes_a_trace(tmp_path):

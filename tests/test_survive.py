@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from parallel.redundancy import survival_problem
-from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs
-from training.loop import train
-from training.state import init_state, plan
-from training import data, survive
-from training.state_transfer import local_move_suffices, move_state, relocate, share_state
-from training.survive import Survivor, shrunk_config
-from training.survive_events import ProcessesRejoined
+from input_pipeline import data
+from resilience import survive
+from resilience.redundancy import survival_problem
+from resilience.state_transfer import local_move_suffices, move_state, relocate, share_state
+from resilience.survive import Survivor, shrunk_config
+from resilience.survive_events import ProcessesRejoined
+from run.loop import train
 from tools.launch import free_port
+from training.checkpoint import Checkpoints
+from training.state import abstract_inputs, init_state, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
@@ -220,7 +220,7 @@ def test_only_a_process_started_again_finds_the_run_in_progress(tmp_path):
       "import sys, time\n"
       "from ml_collections import ConfigDict\n"
       "from parallel import distributed\n"
-      "from training.rejoin import joining_run, refuse_on_cpu\n"
+      "from resilience.rejoin import joining_run, refuse_on_cpu\n"
       "config = ConfigDict(dict(initialize='yes', coordinator=sys.argv[1], num_processes=2,\n"
       "                         process_id=int(sys.argv[2]), heartbeat_seconds=5))\n"
       "distributed.initialize(config, survive=True)\n"

@@ -7,9 +7,9 @@ import numpy as np
 
 from conftest import tiny_config
 from test_equivalence import STEPS, assert_params_close
-from training import data
+from input_pipeline import data
+from run.loop import train
 from training.in_flight import StepsInFlight
-from training.loop import train
 from training.state import init_state, plan
 from training.step import make_train_step
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from training import token_files
-from training.loop import train
+from input_pipeline import token_files
+from run.loop import train
 from training.validate import check_run
 
 # (overrides, what the one line must say); each is refused by training/validate.py or plan().

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from training.workdir_lock import WorkdirLock
+from resilience.workdir_lock import WorkdirLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # releases two of them at one barrier, and they count how many are inside the lock at once.
 RACE = textwrap.dedent("""
     import json, multiprocessing as mp, sys, time
-    from training.workdir_lock import WorkdirLock
+    from resilience.workdir_lock import WorkdirLock
 
     def enter(workdir, barrier, inside, most, held, guard):
       barrier.wait()
@@ -75,7 +75,7 @@ def test_of_two_starters_finding_a_stale_lock_exactly_one_takes_it_over(tmp_path
   assert race(tmp_path, trials=150, stale=stale) == {"both": 0, "none": 0}
 
 
-HOLD = "import sys, time; from training.workdir_lock import WorkdirLock\n" \
+HOLD = "import sys, time; from resilience.workdir_lock import WorkdirLock\n" \
        "with WorkdirLock(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)"
 
 

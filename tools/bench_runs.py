@@ -137,7 +137,7 @@ def run_child(run: dict, env: dict, timeout_s: float) -> dict:
 def measure_here(run: dict) -> dict:
   """The child's side: build the config and measure it in this process; jax is imported only here."""
   import jax  # pylint: disable=import-outside-toplevel
-  from training.benchmark import measure  # pylint: disable=import-outside-toplevel
+  from measure.benchmark import measure  # pylint: disable=import-outside-toplevel
   config = build_config(run["config"], [tuple(o) for o in run["overrides"]], batch=run["batch"],
                         seq_len=run["seq"])
   record = {**run, "batch": config.batch_size, "jax": jax.__version__, "backend": jax.default_backend(),

@@ -6,7 +6,7 @@ Compiles ahead of time on simulated devices, allocating nothing, with the
 `long` Llama variant (or --config), one sequence per data-parallel group, and
 prints XLA's temporary (activation) bytes per device: sharding the sequence
 over S devices divides them by about S. With --estimate each cell also shows
-parallel/estimate.py's figure for the same run, compiled / estimate.
+measure/estimate.py's figure for the same run, compiled / estimate.
 """
 
 import sys
@@ -19,9 +19,10 @@ import jax  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
-from parallel import analysis, estimate  # pylint: disable=wrong-import-position
-from training.dry_run import compile_train_step, model_weights  # pylint: disable=wrong-import-position
+from measure import analysis, estimate  # pylint: disable=wrong-import-position
+from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
 from training.state import plan  # pylint: disable=wrong-import-position
+from training.step import compile_train_step  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:long", "Model and run config.")
 _LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Context lengths.")

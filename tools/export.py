@@ -25,11 +25,12 @@ import jax  # pylint: disable=wrong-import-position
 from absl import app, flags, logging  # pylint: disable=wrong-import-position
 
 from configs.base import base  # pylint: disable=wrong-import-position
+from input_pipeline.token_files import read_meta  # pylint: disable=wrong-import-position
+from input_pipeline.tokenizer import (  # pylint: disable=wrong-import-position
+    HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name)
+from interop import hf_checkpoint  # pylint: disable=wrong-import-position
 from parallel.mesh import AXES  # pylint: disable=wrong-import-position
-from training import hf_checkpoint  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpoints  # pylint: disable=wrong-import-position
-from training.token_files import read_meta  # pylint: disable=wrong-import-position
-from training.tokenizer import HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name  # pylint: disable=wrong-import-position
 from training.state import param_count, plan  # pylint: disable=wrong-import-position
 
 

@@ -7,7 +7,7 @@
 
 For each device memory, device count (all of them on `sequence`, one
 sequence in the batch), context strategy and remat policy, the longest
-sequence whose estimated per-device bytes (parallel/estimate.py: parameters,
+sequence whose estimated per-device bytes (measure/estimate.py: parameters,
 gradients, AdamW moments, activations) fit. Attention is blockwise and the
 loss chunked, so activations grow linearly in T / devices. Nothing is
 compiled, unless --compile: then each `full` remat cell whose devices this
@@ -32,11 +32,12 @@ import jax  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
-from parallel import analysis, estimate  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
+from measure import analysis, estimate  # pylint: disable=wrong-import-position
+from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
 from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
-from training.dry_run import compile_train_step, model_weights  # pylint: disable=wrong-import-position
+from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from training.state import plan  # pylint: disable=wrong-import-position
+from training.step import compile_train_step  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:1b", "Model and run config.")
 _MEMORY = flags.DEFINE_list("memory_gb", ["80", "141"], "Device memory sizes in GB (1e9 bytes).")

@@ -7,13 +7,13 @@
 --input: every file under the folder whose suffix is in TEXT_SUFFIXES (recursively, sorted by
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD; each
 file is one document. --dataset: each record's --text_field is one document, read through
-Hugging Face `datasets` (tools/dataset_texts.py: local parquet, jsonl, arrow, csv or text
+Hugging Face `datasets` (input_pipeline/dataset_texts.py: local parquet, jsonl, arrow, csv or text
 files, or a hub name when online), so JSON and parquet are never tokenized as raw text.
 Documents are followed by the tokenizer's end-of-text: a newline for `byte`, <|endoftext|>
 for `gpt2`, the tokenizer's eos_token for `hf:DIR`. --workers processes tokenize in
 parallel, in order, with a progress bar of tokens and tokens/s. The last --val_fraction of
 the tokens is the val split. Writes train.bin, val.bin and meta.json (format:
-training/token_files.py), each whole or not at all.
+input_pipeline/token_files.py), each whole or not at all.
 """
 
 import itertools
@@ -28,8 +28,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags, logging  # pylint: disable=wrong-import-position
 from tqdm import tqdm  # pylint: disable=wrong-import-position
 
-from tools.dataset_texts import FORMATS, dataset_texts  # pylint: disable=wrong-import-position
-from training import token_files, tokenizer  # pylint: disable=wrong-import-position
+from input_pipeline import token_files, tokenizer  # pylint: disable=wrong-import-position
+from input_pipeline.dataset_texts import FORMATS, dataset_texts  # pylint: disable=wrong-import-position
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.

@@ -22,8 +22,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from input_pipeline.tokenizer import HfTokenizer
 from training.fingerprint import fingerprints
-from training.tokenizer import HfTokenizer
 
 
 class Checkpoints:

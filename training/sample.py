@@ -13,15 +13,14 @@ import numpy as np
 from flax import nnx
 
 from configs.base import base
+from input_pipeline import data
+from input_pipeline.tokenizer import run_tokenizer
 from model.kv_cache import forward_cached, init_cache
 from model.placement import placed
 from parallel import placement, rules
 from parallel.mesh import DATA, EXPERT
-from training import data
 from training.checkpoint import Checkpoints
-from training.dry_run import abstract_inputs
-from training.state import Layout, plan
-from training.tokenizer import run_tokenizer
+from training.state import Layout, abstract_inputs, plan
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:

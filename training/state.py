@@ -147,3 +147,11 @@ def active_param_count(layout: Layout) -> int:
   """Parameters each token computes with: all of a dense model's, the top-k experts' of a MoE one."""
   return param_count(layout) - layout.model.idle_expert_params
 
+
+def abstract_inputs(layout: Layout, config):
+  """ShapeDtypeStructs carrying shardings for the state and one batch."""
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       layout.abstract_state, layout.state_shardings)
+  token = jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), "int32",
+                               sharding=layout.batch_sharding)
+  return state, {"inputs": token, "targets": token}

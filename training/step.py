@@ -10,7 +10,7 @@ from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
 from training import loss_scale
 from training.optimizer import learning_rate
-from training.state import Layout
+from training.state import Layout, abstract_inputs
 
 
 def objective(layout: Layout, params, batch):
@@ -136,3 +136,8 @@ def make_eval_step(layout: Layout):
   batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
   return jax.jit(eval_step, in_shardings=(layout.param_shardings, batch_shardings),
                  out_shardings=layout.replicated())
+
+
+def compile_train_step(layout: Layout, config):
+  """The train step compiled ahead for `layout`, from abstract inputs: nothing is allocated."""
+  return make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()

@@ -1,6 +1,6 @@
 """Which Hugging Face tensor each meshlm weight is, and how config.json maps to `config.model`.
 
-Conventions bridged here (no I/O; training/hf_checkpoint.py reads and writes):
+Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
 - Layout. GPT-2's Conv1D stores (in, out), meshlm's layout, so its weights only
   reshape; Llama's nn.Linear stores (out, in), so they also transpose.
 - QKV. GPT-2 fuses Q, K and V in `c_attn` as [q | k | v] along the output,

@@ -7,23 +7,26 @@ import time
 import jax
 from tqdm import tqdm
 
+from input_pipeline import data
+from input_pipeline.tokenizer import run_tokenizer
+from interop import hf_checkpoint
+from measure.dry_run import report
+from measure.profiling import parse_steps
 from parallel import distributed
-from parallel.redundancy import survival_problem
-from training import data, hf_checkpoint, metrics
+from resilience.preemption import StopRequests
+from resilience.redundancy import survival_problem
+from resilience.rejoin import joining_run, refuse_on_cpu
+from resilience.survive import SurvivingStepper, leave_together, processes_of
+from resilience.workdir_lock import WorkdirLock
+from run.local_stepper import LocalStepper
+from run.nonfinite import NonfiniteUpdates
+from training import metrics
 from training.checkpoint import Checkpoints, cast_like, tokenizer_record
-from training.dry_run import abstract_inputs, report
-from training.nonfinite import NonfiniteUpdates
-from training.preemption import StopRequests
-from training.profiling import parse_steps
-from training.rejoin import joining_run, refuse_on_cpu
 from training.sample import check_request, encode_prompt, generate
-from training.state import active_param_count, init_state, param_count, plan, state_from_params
+from training.state import abstract_inputs, active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite
-from training.stepper import LocalStepper, Stepper, eval_due
-from training.survive import SurvivingStepper, leave_together, processes_of
-from training.tokenizer import run_tokenizer
+from training.stepper import Stepper, eval_due
 from training.validate import check_run
-from training.workdir_lock import WorkdirLock
 
 SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 

@@ -7,7 +7,7 @@ the memory-mapped safetensors files (safetensors' numpy API reads only the
 slice asked for), so no device ever holds more than its shard, and the host
 at most one weight's distinct blocks at a time. Tensors meshlm does not use
 (GPT-2's stored attention masks, a tied copy of the head) are ignored.
-Which tensor is which weight: training/hf_mapping.py.
+Which tensor is which weight: interop/hf_mapping.py.
 """
 
 import contextlib
@@ -24,9 +24,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from interop import hf_mapping
 from model.config import ModelConfig
 from model.transformer import STACKED
-from training import hf_mapping
 from training.state import Layout, model_config
 
 SCHEME = "hf:"
@@ -66,7 +66,7 @@ class HFCheckpoint:
     paths = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
     if paths != table.keys():
       raise ValueError(f"meshlm's {cfg.family} holds weights no Hugging Face tensor maps to: "
-                       f"{sorted(paths ^ table.keys())[:3]}; training/hf_mapping.py needs them.")
+                       f"{sorted(paths ^ table.keys())[:3]}; interop/hf_mapping.py needs them.")
     with contextlib.ExitStack() as stack:
       opened = {f: stack.enter_context(safe_open(f, framework="np")) for f in set(self.files.values())}
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from training.corpus import builtin_corpus
-from training.token_files import PREPARE_COMMAND, open_tokens, read_meta
+from input_pipeline.corpus import builtin_corpus
+from input_pipeline.token_files import PREPARE_COMMAND, open_tokens, read_meta
 
 SOURCES = ("builtin", "tokens", "synthetic")
 SPLITS = {"train": 1, "val": 2}  # mixed into every batch seed, so train and val never share one

@@ -19,7 +19,7 @@ ch. 18, the distributed-training chapter):
   hand-offs per micro-batch, and the context strategies over `sequence`.
 
 Keys of the collective estimate are (kind, axes joined by "+"), as
-parallel/analysis.py `traffic_per_step` reads them off compiled HLO.
+measure/analysis.py `traffic_per_step` reads them off compiled HLO.
 """
 
 import collections
@@ -35,7 +35,7 @@ from jax.extend import core as jax_core
 
 from model import moe
 from model.attention import largest_divisor
-from model.config import FAMILIES, VOCAB_MULTIPLE, ModelConfig
+from model.config import FAMILIES, ModelConfig, VOCAB_MULTIPLE
 from model.transformer import chunk_count, chunk_positions, scan_blocks
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR

@@ -5,11 +5,11 @@ either succeeds on every live process or raises on every one. When a process is 
 shrink `data` to the devices left, rebuild each state leaf from the copies they hold, with nothing
 read from disk (data parallelism keeps a full copy per replica, so nothing is sent between
 processes; hybrid sharding regroups into groups that divide the live devices and sends each shard
-from a live copy: training/state_transfer.py), and redo the failed step at the same global batch:
+from a live copy: resilience/state_transfer.py), and redo the failed step at the same global batch:
 batch `s` is a pure function of (seed, s), so the lost replica's rows are simply spread over the
 survivors, with more gradient accumulation where a device would otherwise hold more rows than
 before. A process started again later joins at a step boundary: the mesh grows back and the state
-comes from a live replica (training/rejoin.py).
+comes from a live replica (resilience/rejoin.py).
 """
 
 import dataclasses
@@ -24,16 +24,15 @@ from jax._src import distributed as jax_distributed
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from ml_collections import ConfigDict
 
-from parallel import analysis
+from input_pipeline import data
+from measure import analysis
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
-from parallel.redundancy import survival_problem
-from training import data
-from training.dry_run import abstract_inputs
-from training.state_transfer import relocate, share_state
-from training.state import Layout, plan
+from resilience.redundancy import survival_problem
+from resilience.state_transfer import relocate, share_state
+from resilience.survive_events import Interruptions
+from training.state import Layout, abstract_inputs, plan
 from training.step import make_eval_step, make_train_step
 from training.stepper import StepDone, Stepper, eval_due, eval_loss
-from training.survive_events import Interruptions
 
 
 def shrunk_config(config, mesh_shape: dict, live_count: int):

@@ -2,7 +2,7 @@
 
 When the live devices outnumber the mesh (a restarted process is back), the run is laid out again
 from its own config over all of them, and the live processes send the state over the grown mesh
-(training/state_transfer.py: the newcomers put in zeros); nothing is read from disk.
+(resilience/state_transfer.py: the newcomers put in zeros); nothing is read from disk.
 
 A restarted process learns that it is rejoining from the coordination service, which process 0
 hosts and which outlives every other process: process 0 marks the run as started once all the

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pydoc_data.topics
 
-from training.token_files import read_meta, write_token_folder
+from input_pipeline.token_files import read_meta, write_token_folder
 
 BUILTIN_RECIPE = "python-stdlib-sources+pydoc-topics/v1"
 BUILTIN_MAX_TOKENS = 16 * 2**20

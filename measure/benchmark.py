@@ -12,13 +12,13 @@ import time
 
 import jax
 
-from parallel import analysis
-from training import data, metrics
-from training.dry_run import abstract_inputs
+from input_pipeline import data
+from measure import analysis
+from measure.profiling import StepProfiler, parse_steps
+from training import metrics
 from training.in_flight import StepsInFlight
-from training.profiling import StepProfiler, parse_steps
 from training.state import active_param_count, init_state, param_count, plan
-from training.step import make_train_step
+from training.step import compile_train_step
 
 GIB = 2**30
 
@@ -34,7 +34,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
     raise ValueError(f"need warmup >= 0, steps >= 1 and windows >= 1, got {warmup}, {steps}, {windows}.")
   layout = plan(config)
   started = time.perf_counter()
-  compiled = make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+  compiled = compile_train_step(layout, config)
   compile_s = time.perf_counter() - started
   compiled_peak = analysis.memory_summary(compiled)["peak_bytes"]
   params = param_count(layout)

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallel.redundancy import shard_key
+from resilience.redundancy import shard_key
 from training.state import Layout
 
 _ALL = "all"  # the one axis of the mesh the shares are summed over

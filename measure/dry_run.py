@@ -4,28 +4,16 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from parallel import analysis, estimate, schedules
+from measure import analysis, estimate
+from parallel import schedules
 from parallel.mesh import PIPELINE
-from training.state import Layout, build_model, model_config, param_count
+from training.state import Layout, abstract_inputs, build_model, model_config, param_count
 from training.step import make_train_step
 
 MiB = 2**20
 IDEAL = "ideal: 6N per token + attention, over every device, remat none"
 COMPILED_FLOPS = "compiled: dots of the partitioned program, loops times trips, pipeline slots when busy"
 COST_ANALYSIS = "compiled: cost_analysis() (counts each loop body once)"
-
-
-def abstract_inputs(layout: Layout, config):
-  """ShapeDtypeStructs carrying shardings for the state and one batch."""
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       layout.abstract_state, layout.state_shardings)
-  token = jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), "int32",
-                               sharding=layout.batch_sharding)
-  return state, {"inputs": token, "targets": token}
-
-
-def compile_train_step(layout: Layout, config):
-  return make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
 
 
 def compile_partitioned_train_step(layout: Layout, config):

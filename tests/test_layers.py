@@ -1,0 +1,48 @@
+"""The rooms stack: each imports only from rooms below it, so the import graph has no cycle between rooms."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Lowest first. Rooms on one floor may not import each other; README's code map lists them in this order.
+FLOORS = (
+    ("configs", "model"),
+    ("parallel",),
+    ("input_pipeline",),
+    ("training",),
+    ("measure", "interop"),
+    ("resilience",),
+    ("run",),
+    ("train", "sample", "tools"),
+)
+FLOOR = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def first_party_imports(path: Path) -> set[str]:
+  """The rooms a module imports, by the first part of each imported name."""
+  rooms = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      rooms.update(alias.name.split(".")[0] for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      rooms.add(node.module.split(".")[0])
+  return rooms & FLOOR.keys()
+
+
+MODULES = sorted(p.relative_to(ROOT) for room in FLOOR for p in
+                 ([ROOT / f"{room}.py"] if (ROOT / f"{room}.py").is_file() else (ROOT / room).glob("*.py")))
+
+
+def test_every_room_is_on_a_floor():
+  packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+  assert packages - {"tests"} <= FLOOR.keys(), "a new room: give it a floor in FLOORS and README's code map"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=str)
+def test_a_module_imports_only_from_rooms_below_its_own(module):
+  room = module.parts[0] if len(module.parts) > 1 else module.stem
+  upward = {other for other in first_party_imports(ROOT / module)
+            if other != room and FLOOR[other] >= FLOOR[room]}
+  assert not upward, f"{module} (floor {FLOOR[room]}) imports {sorted(upward)}, on its floor or above"
