@@ -51,7 +51,7 @@ def base() -> ml_collections.ConfigDict:
 
   # none: a lost process ends the run, and a restart resumes from the last checkpoint |
   # survive: the other processes drop it, rebuild the mesh over the live devices and redo the step
-  # from the state in memory (layouts where every shard has a copy on another process; README)
+  # from the state in memory (layouts where every shard has a copy on another process; docs/checkpoints.md)
   c.fault_tolerance = "none"
 
   c.model = ml_collections.ConfigDict()

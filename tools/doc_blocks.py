@@ -1,4 +1,5 @@
-"""Generated blocks in README.md and docs/*.md: what lies between `<!-- NAME -->` and `<!-- /NAME -->` belongs to a tool."""
+"""Generated blocks in README.md and docs/*.md: what lies between `<!-- NAME -->` and `<!-- /NAME -->`
+belongs to a tool."""
 
 import re
 

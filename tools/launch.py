@@ -11,10 +11,10 @@ once <workdir>/metrics.jsonl shows step S (so log every step); `--kill P@step=S:
 (SIGSTOP) and kills it T seconds later, while the others wait for it inside the next step's
 collectives. Under fault_tolerance=survive the others carry on without it, and `--restart-after` starts the killed process again that many seconds
 later, to rejoin the run from a live replica's memory (GPUs only: on the CPU, gloo refuses the
-restarted process; README's checkpointless section says what runs where). Otherwise the whole job
+restarted process; docs/checkpoints.md says what runs where). Otherwise the whole job
 dies with it, and `--restart-after` starts it again, resuming from the last checkpoint. At the end a table gives, for
 each kill, the steps lost and the seconds from the kill until the run finished a step past the
-last one it had finished before it: the side-by-side figures of README's checkpointless section.
+last one it had finished before it: the side-by-side figures of docs/checkpoints.md.
 """
 
 import argparse
