@@ -20,22 +20,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from configs.gpt2 import get_config  # noqa: E402
-
-
-def tiny_config(**overrides):
-  """The tiny GPT-2 made smaller still, in float32, with dotted-path overrides."""
-  c = get_config("tiny")
-  c.model.num_layers, c.model.embed_dim, c.model.mlp_dim, c.model.max_len = 2, 64, 256, 32
-  c.batch_size, c.steps, c.schedule.warmup_steps = 16, 10, 2
-  for path, value in overrides.items():
-    *parents, leaf = path.split(".")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
-
 
 @pytest.fixture(scope="session", autouse=True)
 def eight_devices():

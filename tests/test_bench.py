@@ -9,10 +9,10 @@ import textwrap
 import jax
 import pytest
 
+from helpers import ROOT
 from tools import bench_report, bench_runs
 from training.state import plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Peers for a machine without the real ones: a plain-JAX peer that prints the
 # real script's JSON line for its tiny GPT-2 (2 x 4 x 128, vocabulary 50,257 padded

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from measure.benchmark import measure
 from training.state import param_count, plan
 

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from helpers import assert_tree_close, loss_and_gradients, tiny_config
 from model.attention import attention_block, blockwise_attention, kernel
 from model.transformer import chunk_count, chunked_cross_entropy
 from parallel.context import zigzag_order
-from test_equivalence import assert_tree_close, loss_and_gradients
 from parallel.checks import attention_kernel
 from training.state import build_model, model_config, plan
 

@@ -1,13 +1,12 @@
 """Checkpoints resume exactly, restore onto other meshes, and refuse what they cannot trust."""
 
-import json
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import read_metrics, tiny_config
 from input_pipeline import data
 from resilience.preemption import StopRequests
 from run import loop
@@ -18,13 +17,14 @@ from training.step import make_train_step
 
 
 def config_for(workdir, **overrides):
+  """20 steps, logged every step and checkpointed every 10 (test_faults's: 10 steps on data=8, logged and
+  checkpointed every 5)."""
   return tiny_config(**{"steps": 20, "log_every": 1, "eval_every": 0, "sample_tokens": 0,
                         "checkpoint.every": 10, "workdir": str(workdir), **overrides})
 
 
 def losses(workdir):
-  lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+  return {r["step"]: r["loss"] for r in read_metrics(workdir)}
 
 
 def restore(workdir, step, **overrides):

@@ -4,7 +4,7 @@ import collections
 
 import jax
 
-from conftest import tiny_config
+from helpers import tiny_config
 from measure import analysis
 from model.placement import placed
 from parallel import placement

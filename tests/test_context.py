@@ -5,14 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import assert_tree_close, loss_and_gradients, tiny_config
 from measure import analysis
 from parallel import context
 from parallel.checks import check_divides
 from parallel.context import zigzag_order
 from parallel.mesh import make_mesh
 from test_collectives import compiled_forward
-from test_equivalence import assert_tree_close, loss_and_gradients
 from training.state import model_config, plan
 
 FAMILIES = {

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import tiny_config
+from helpers import ROOT, tiny_config
 from input_pipeline import data, token_files, tokenizer
 from run.loop import train
 from tools import prepare
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 B, T = 8, 16
 
 
@@ -176,10 +175,10 @@ def test_prepare_command_line(tmp_path):
   write_corpus(tmp_path / "text")
   command = [sys.executable, "tools/prepare.py", f"--input={tmp_path / 'text'}",
              f"--output={tmp_path / 'out'}"]
-  first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+  first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
   assert first.returncode == 0, first.stderr
   assert "from 3 documents" in first.stdout and first.stdout.count("\n") == 1
-  again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+  again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
   assert again.returncode == 1 and "--overwrite" in again.stderr
   assert again.stderr.strip().count("\n") == 0
 

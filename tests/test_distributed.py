@@ -1,6 +1,5 @@
 """Two processes on localhost, 4 CPU devices each, train like one process with 8 devices."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,14 +9,13 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from conftest import tiny_config
+from helpers import ROOT, read_metrics, tiny_config
 from parallel.distributed import wants_distributed
 from run.loop import train
 from tools.launch import free_port
 from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Hybrid sharding over 4 processes (data=8 in groups of 4) runs in tests/test_survive.py, which also loses two.
 LAYOUTS = {"data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4}}
 RUN = {"steps": 4, "log_every": 1, "eval_every": 0, "sample_tokens": 0, "checkpoint.every": 4}
@@ -45,10 +43,6 @@ def two_process_run(workdir, layout):
   return [out for out, _ in outputs]
 
 
-def logged(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def final_params(workdir, config):
   checkpoints = Checkpoints(str(workdir), every=4, keep=3)
   state = checkpoints.restore(4, abstract_inputs(plan(config), config)[0])
@@ -61,7 +55,7 @@ def test_two_processes_match_one(layout, tmp_path):
   outputs = two_process_run(tmp_path / "two", layout)
   config = tiny_config(**{**RUN, **LAYOUTS[layout], "workdir": str(tmp_path / "one")})
   train(config)
-  two, one = logged(tmp_path / "two"), logged(tmp_path / "one")
+  two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
   assert [r["step"] for r in two] == [1, 2, 3, 4]  # process 0 alone writes metrics
   np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
   assert "step      1" in outputs[0] and "step" not in outputs[1]  # and alone logs

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 MANIFEST = ROOT / "docs" / "commands.json"
 README_MAX_LINES = 250
 # Top-level folders whose modules are not the code map's: the tests, and what tools and notebooks leave.

@@ -19,15 +19,14 @@ import contextlib
 import io
 import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from conftest import tiny_config
 from configs.gpt2 import get_config
+from helpers import ROOT, tiny_config
 from measure import analysis, estimate
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
 from model.llama import SwiGLU
@@ -118,10 +117,9 @@ def assert_close(estimated, measured, what, tolerance=TOLERANCE):
 def test_readme_longest_context_table_is_what_the_tool_prints_at_this_commit():
   # The textbook's long-context table beside meshlm's: a change to the estimator must regenerate it
   # (python tools/longest_context.py --write).
-  root = Path(__file__).resolve().parent.parent
-  printed = subprocess.run([sys.executable, "tools/longest_context.py"], cwd=root, capture_output=True, text=True,
+  printed = subprocess.run([sys.executable, "tools/longest_context.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True, timeout=120).stdout
-  page = (root / "docs" / "long_context.md").read_text()
+  page = (ROOT / "docs" / "long_context.md").read_text()
   block = page[page.index("<!-- longest-context -->\n") + len("<!-- longest-context -->\n"):]
   assert block.startswith(printed), ("docs/long_context.md's longest-context table is stale: "
                                      "run tools/longest_context.py --write")
@@ -130,9 +128,8 @@ def test_readme_longest_context_table_is_what_the_tool_prints_at_this_commit():
 def test_longest_context_compile_check_prints_xla_peaks_near_the_estimate():
   # The code path of `tools/longest_context.py --compile`, on the tiny Llama at the length 50 MB allows
   # on one device (three strategies, one program: one device has no sequence axis to differ over).
-  root = Path(__file__).resolve().parent.parent
   printed = subprocess.run([sys.executable, "tools/longest_context.py", "--config=configs/llama.py:tiny", "--compile",
-                            "--memory_gb=0.05", "--devices=1", "--mlp_chunk=0"], cwd=root, capture_output=True,
+                            "--memory_gb=0.05", "--devices=1", "--mlp_chunk=0"], cwd=ROOT, capture_output=True,
                            text=True, check=True, timeout=240).stdout
   rows = [line.split(" | ") for line in printed.splitlines()[2:]]
   assert [row[1] for row in rows] == ["allgather", "ring", "ulysses"]

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import tiny_config
+from helpers import ROOT, read_metrics, tiny_config
 from input_pipeline import data
 from input_pipeline.token_files import write_token_folder
 from run.loop import train
@@ -25,10 +25,10 @@ from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, init_state, plan
 from training.step import make_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def config_for(workdir, **overrides):
+  """10 steps on data=8, logged and checkpointed every 5 (test_checkpoint's: 20 steps, logged every step,
+  checkpointed every 10)."""
   return tiny_config(**{"steps": 10, "log_every": 5, "eval_every": 0, "sample_tokens": 0,
                         "checkpoint.every": 5, "mesh.data": 8, "workdir": str(workdir), **overrides})
 
@@ -280,8 +280,7 @@ def wait_for(condition, timeout=120):
 
 
 def logged_steps(workdir):
-  path = workdir / "metrics.jsonl"
-  return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+  return [r["step"] for r in read_metrics(workdir)] if (workdir / "metrics.jsonl").exists() else []
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
@@ -310,16 +309,14 @@ def test_sigkill_loses_only_the_steps_since_the_last_checkpoint(tmp_path):
   process.kill()
   process.wait()
   saved = sorted(int(name) for name in os.listdir(tmp_path / "checkpoints") if name.isdigit())
-  losses_before = {json.loads(l)["step"]: json.loads(l)["loss"]
-                   for l in (tmp_path / "metrics.jsonl").read_text().splitlines()}
+  losses_before = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
   process = start_train(tmp_path, "--config.steps=30")
   out, err = process.communicate(timeout=300)
   assert process.returncode == 0, err
   assert f"resuming from step {saved[-1]}" in out
   steps = logged_steps(tmp_path)
   assert steps == sorted(set(steps)) and steps[-1] == 30  # the curve continues, no repeats
-  losses_after = {json.loads(l)["step"]: json.loads(l)["loss"]
-                  for l in (tmp_path / "metrics.jsonl").read_text().splitlines()}
+  losses_after = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
   # Steps after the checkpoint were lost and recomputed, to the same bits.
   assert all(losses_after[s] == losses_before[s] for s in losses_before if s <= 30)
 
@@ -347,8 +344,7 @@ def short_reference(tmp_path_factory):
 
 def curve(workdir):
   """(step, loss, grad_norm) of every logged step."""
-  records = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
-  return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+  return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(workdir)]
 
 
 def saved_state(workdir, step):

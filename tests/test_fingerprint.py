@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from training.fingerprint import fingerprints
 from training.state import init_state, plan
 

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
-from conftest import tiny_config
+from helpers import ROOT, read_metrics, tiny_config
 from input_pipeline import data
 from interop import hf_checkpoint
 from model.placement import placed
@@ -33,7 +33,6 @@ from tools.export import export
 from training.checkpoint import Checkpoints
 from training.state import plan, state_from_params
 
-ROOT = Path(__file__).resolve().parent.parent
 SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
 SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
          ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
@@ -172,7 +171,7 @@ def test_training_starts_at_the_loss_transformers_computes(reference, tmp_path):
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "initialising from" in result.stdout
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  records = read_metrics(tmp_path)
   first = next(r["loss"] for r in records if r["step"] == 1)
   expected = float(np.load(reference / "gpt2_loss.npy"))
   assert abs(first - expected) < 1e-5 * expected, (first, expected)

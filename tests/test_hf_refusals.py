@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import tiny_config
+from helpers import ROOT, tiny_config
 from interop import hf_checkpoint, hf_mapping
 from run.loop import train
 from tools.export import export
 from training.state import plan
 
-ROOT = Path(__file__).resolve().parent.parent
 TENSORS = {"transformer.wte.weight": np.ones((3, 4), np.float32), "transformer.wpe.weight": np.ones(5, np.float32)}
 # Sharded, each tensor in its own file, as save_pretrained would split them.
 SHARDS = {"transformer.wte.weight": "model-00001-of-00002.safetensors",

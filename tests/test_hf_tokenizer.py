@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import tiny_config
+from helpers import tiny_config
 from test_data import data_config, write_corpus
 from test_hf_checkpoint import run_reference
 from input_pipeline import data

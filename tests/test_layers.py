@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 # Lowest first. Rooms on one floor may not import each other; README's code map lists them in this order.
 FLOORS = (
     ("configs", "model"),

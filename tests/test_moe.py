@@ -1,7 +1,6 @@
 """Mixture of experts: routing, capacity and losses; expert parallelism equals one device; the HLO's all-to-alls."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from helpers import assert_tree_close, read_metrics, setup, tiny_config
 from model.config import ModelConfig
 import moe_reference
 from measure import analysis
@@ -18,7 +17,6 @@ from model.placement import placed
 from parallel import placement
 from parallel.mesh import DATA, EXPERT
 from test_collectives import compiled_forward
-from test_equivalence import assert_tree_close, setup
 from run.loop import train
 from tools import moe_memory
 from training.state import active_param_count, param_count, plan
@@ -275,7 +273,7 @@ def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
   runs = {}
   for name, mesh in {"expert=4": {"mesh.expert": 4, "mesh.data": 2}, "expert=1": {"mesh.data": 8}}.items():
     train(tiny_config(**common, **mesh, workdir=str(tmp_path / name)))
-    runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    runs[name] = read_metrics(tmp_path / name)
   assert len(runs["expert=4"]) == len(runs["expert=1"]) == 2
   for sharded, single in zip(runs["expert=4"], runs["expert=1"]):
     assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)

@@ -11,7 +11,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 KERNEL = "meshlm-test"
 
 
@@ -93,7 +94,7 @@ def run_as_on_colab(name, kernel_env, content, monkeypatch, repo_url=""):
 
 @pytest.mark.parametrize("name", ["quickstart_tpu", "ablation"])
 def test_the_install_cell_clones_a_git_url_and_installs_it(name, kernel_env, tmp_path, monkeypatch):
-  said = run_as_on_colab(name, kernel_env, tmp_path, monkeypatch, repo_url=ROOT)
+  said = run_as_on_colab(name, kernel_env, tmp_path, monkeypatch, repo_url=str(ROOT))
   assert f"ROOT {tmp_path}/meshlm cwd {tmp_path}/meshlm" in said, said
   assert (tmp_path / "meshlm" / "train.py").exists()
   assert (tmp_path / "pip_args").read_text().split() == [

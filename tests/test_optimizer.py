@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from training.optimizer import decay_mask, learning_rate, make_optimizer
 from training.state import plan
 

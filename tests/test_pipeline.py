@@ -1,21 +1,17 @@
 """Pipeline schedules compute the unpipelined numbers, run the tables they print, and 1F1B saves memory."""
 
-import os
-
 import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import (BF16_LOSS_RTOL, ROOT, STEPS, assert_bf16_gradients_close, assert_params_close,
+                     assert_tree_close, loss_and_gradients, run_layout, tiny_config)
 from measure import analysis
 from parallel import schedules
-from test_equivalence import (BF16_LOSS_RTOL, STEPS, assert_bf16_gradients_close, assert_params_close,
-                              assert_tree_close, loss_and_gradients, run_layout)
 from tools import pipeline_bubble
 from training.state import plan
 from training.step import compile_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEP = {"model.num_layers": 8, "pipeline.microbatches": 4}  # 8 layers split over P x V = 2 x 4 or 4 x 2
 LAYOUTS = {
     "pipeline=2": {"mesh.pipeline": 2, "mesh.data": 4},
@@ -119,7 +115,7 @@ def test_1f1b_has_gpipes_bubble(stages, micro):
 
 
 def test_bubble_tool_prints_the_docs_table():
-  with open(os.path.join(ROOT, "docs", "parallelism.md")) as f:
+  with open(ROOT / "docs" / "parallelism.md") as f:
     page = f.read()
   assert pipeline_bubble.bubble_table(4, [4, 8, 16, 32, 64], 2) in page  # docs/parallelism.md quotes it verbatim
 

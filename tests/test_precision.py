@@ -1,6 +1,5 @@
 """Precision policies (fp32, bf16, fp16 with loss scaling, fp8; bf16 moments) and remat policies."""
 
-import json
 import re
 
 import jax
@@ -9,11 +8,10 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from conftest import tiny_config
+from helpers import assert_tree_close, batch_at, gradients, read_metrics, tiny_config
 from measure import analysis
 from model import fp8
 from parallel.checks import check_backend
-from test_equivalence import assert_tree_close, batch_at, gradients
 from input_pipeline import data
 from run.loop import train
 from training import loss_scale
@@ -239,7 +237,7 @@ def test_fp16_runs_log_the_loss_scale(tmp_path, capsys):
   config = tiny_config(**{"precision.compute": "float16", "precision.loss_scale": 2.0**40, "steps": 2,
                           "log_every": 1, "eval_every": 0, "sample_tokens": 0, "workdir": str(tmp_path)})
   train(config)
-  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  logged = read_metrics(tmp_path)
   # 2^40 overflows float16 in the backward pass, so each step is skipped and the scale halves.
   assert [m["loss_scale"] for m in logged] == [2.0**40, 2.0**39]
   assert "loss_scale 549755813888" in capsys.readouterr().out

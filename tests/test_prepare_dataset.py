@@ -10,7 +10,8 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 
-from test_data import REPO_ROOT, data_config
+from helpers import ROOT
+from test_data import data_config
 from input_pipeline import data, tokenizer
 from tools import prepare
 
@@ -79,7 +80,7 @@ def test_bad_datasets_are_refused_and_write_nothing(make, dataset, field, messag
 def test_the_command_line_refuses_in_one_line(tmp_path):
   command = [sys.executable, "tools/prepare.py", f"--output={tmp_path}/out", f"--input={tmp_path}",
              f"--dataset={tmp_path}"]
-  result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert result.returncode == 1 and result.stderr == (
       "prepare.py: give one of --input (a folder of text files) and --dataset (records with a text field).\n")
   assert not (tmp_path / "out").exists()

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-from test_data import REPO_ROOT, write_corpus
+from helpers import ROOT
+from test_data import write_corpus
 from test_faults import small_disk  # noqa: F401  (a fixture, used by name)
 from tools import prepare
 
@@ -79,7 +80,7 @@ def refusal(result) -> str:
 
 
 def run_prepare(*flags):
-  return subprocess.run([sys.executable, "tools/prepare.py", *flags], cwd=REPO_ROOT, capture_output=True,
+  return subprocess.run([sys.executable, "tools/prepare.py", *flags], cwd=ROOT, capture_output=True,
                         text=True, timeout=120, check=False)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from measure.profiling import parse_steps
 from run.loop import train
 

@@ -8,14 +8,12 @@ tokens/s and wall time vary with the machine and are not compared. A missing or 
 REGENERATE (docs/research.md, "The recipes").
 """
 
-from pathlib import Path
-
 import pytest
 
+from helpers import ROOT
 from tools import sweep
 from tools.recipes import RECIPES
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "research.md"  # the page that holds every recipe's block
 REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=docs"
 # The cheapest run of any recipe: 120 steps of 4 x 128 tokens, about 30 s on 2 cores.

@@ -3,7 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_config
+from helpers import tiny_config
 from parallel import rules
 from parallel.checks import check_divides
 from training.state import model_config

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from helpers import ROOT, tiny_config
 from training.checkpoint import Checkpoints
 from training.sample import decode_batch, generate, make_sampler
 from training.state import init_state, plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
 FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;

@@ -2,7 +2,6 @@
 run on 4 processes (hybrid sharding) that loses two mid-run and still matches an uninterrupted run."""
 
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -12,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import ROOT, read_metrics, tiny_config
 from input_pipeline import data
 from resilience import survive
 from resilience.redundancy import survival_problem
@@ -24,7 +23,6 @@ from tools.launch import free_port
 from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, init_state, plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
 
 
@@ -230,7 +228,7 @@ def test_only_a_process_started_again_finds_the_run_in_progress(tmp_path):
       "else:\n"
       "  refuse_on_cpu()\n")
   coordinator = f"localhost:{free_port()}"
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 
   def start(process, seconds):
     return subprocess.Popen([sys.executable, str(script), coordinator, str(process), str(seconds)], env=env,
@@ -283,10 +281,6 @@ def what_went_wrong(output: str) -> str:
   return "\n".join([line for line in lines if not noise.match(line)][-40:])
 
 
-def records(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def final_params(workdir, config):
   checkpoints = Checkpoints(str(workdir), every=3, keep=3)
   state = checkpoints.restore(config.steps, abstract_inputs(plan(config), config)[0])
@@ -304,7 +298,7 @@ def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
                   fault_tolerance="survive", **{"sharding.zero": 3, "sharding.fsdp_group": 4})
   config = tiny_config(**{**RUN, "workdir": str(tmp_path / "whole")})
   train(config)
-  survived, whole = records(tmp_path / "survived"), records(tmp_path / "whole")
+  survived, whole = read_metrics(tmp_path / "survived"), read_metrics(tmp_path / "whole")
   failures = [r for r in survived if "recovery_seconds" in r]
   assert [(r["steps_lost"], r["live_devices"]) for r in failures] == [(0, 6), (0, 4)]
   assert output.count(": 0 steps lost") == 2 and "resuming" not in output  # no checkpoint was read

@@ -1,13 +1,12 @@
 """`python train.py` end to end, `--dry_run`, and bad input refused in one line before compiling."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, read_metrics
 
 
 def run_train(*flags, devices=8):
@@ -22,7 +21,7 @@ def test_train_end_to_end(tmp_path):
                      "--config.sample_tokens=8", "--config.mesh.data=4", "--config.mesh.tensor=2",
                      "--config.model.num_layers=1", f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  records = read_metrics(tmp_path)
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [3, 6]
   assert set(steps[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "skipped",

@@ -5,8 +5,7 @@ import math
 import jax
 import numpy as np
 
-from conftest import tiny_config
-from test_equivalence import STEPS, assert_params_close
+from helpers import STEPS, assert_params_close, read_metrics, tiny_config
 from input_pipeline import data
 from run.loop import train
 from training.in_flight import StepsInFlight
@@ -22,7 +21,7 @@ def test_loss_falls_far_below_uniform(tmp_path):
   # Uniform guessing over bytes costs ln(256) = 5.55 nats.
   assert last["loss"] < 0.55 * math.log(256), last
   assert last["eval_loss"] < 0.6 * math.log(256), last
-  logged = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  logged = read_metrics(tmp_path)
   assert len(logged) == 5  # four log steps and one eval
 
 

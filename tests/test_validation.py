@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from input_pipeline import token_files
 from run.loop import train
 from training.validate import check_run

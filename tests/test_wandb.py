@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, read_metrics
+
 FLAGS = ["--config.steps=4", "--config.log_every=2", "--config.eval_every=0", "--config.sample_tokens=0",
          "--config.batch_size=8", "--config.model.max_len=32", "--config.checkpoint.every=2"]
 BLOCK = 32768
@@ -54,7 +55,7 @@ def offline_history(workdir: Path) -> list[dict]:
 def test_a_run_logs_the_same_scalars_to_wandb_and_resumes_the_same_run(tmp_path):
   result = train(tmp_path, "--config.wandb.project=meshlm-test", "--config.wandb.group=g")
   assert result.returncode == 0, result.stderr[-3000:]
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  records = read_metrics(tmp_path)
   logged = {row["_step"]: row for row in offline_history(tmp_path)}
   assert sorted(logged) == [r["step"] for r in records] == [2, 4]
   for record in records:

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
+from helpers import ROOT
 from resilience.workdir_lock import WorkdirLock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Forked starters without jax (forking a process that runs XLA's threads is unsafe): each trial
 # releases two of them at one barrier, and they count how many are inside the lock at once.

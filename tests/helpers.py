@@ -1,0 +1,146 @@
+"""What the tests share: the repository root, the tiny config, a run's metrics.jsonl records, and the
+equivalence harness that holds a layout's loss, gradients and parameters to one device's."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from configs.gpt2 import get_config
+from input_pipeline import data
+from model.placement import placed
+from parallel import placement
+from training.state import init_state, plan
+from training.step import loss_and_grads, make_train_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_config(**overrides):
+  """The tiny GPT-2 made smaller still, in float32, with dotted-path overrides."""
+  c = get_config("tiny")
+  c.model.num_layers, c.model.embed_dim, c.model.mlp_dim, c.model.max_len = 2, 64, 256, 32
+  c.batch_size, c.steps, c.schedule.warmup_steps = 16, 10, 2
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def read_metrics(workdir):
+  """Every record of the workdir's metrics.jsonl, in order."""
+  return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+STEPS = 3  # warmup's lr = 0 at step 0, then two AdamW updates that see the moments of three gradients
+
+
+def batch_at(config, layout, step):
+  """Training batch `step` of the built-in corpus, laid out for the layout."""
+  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
+  return data.global_batch(split, seed=0, step=step, batch_size=config.batch_size,
+                           seq_len=config.model.max_len, sharding=layout.batch_sharding)
+
+
+def setup(overrides, devices):
+  """Config, layout, fresh state and the first batch for a layout."""
+  config = tiny_config(**overrides)
+  layout = plan(config, devices)
+  return config, layout, init_state(layout, config.seed), batch_at(config, layout, 0)
+
+
+def gradients(layout, params, batch):
+  """Loss and gradients traced as the train step traces them."""
+
+  def run(params, batch):
+    with placed(placement.for_layout(layout)):
+      (loss, _), grads = loss_and_grads(layout, params, batch, 1)
+      return loss, grads
+
+  return jax.device_get(jax.jit(run)(params, batch))
+
+
+def loss_and_gradients(overrides, devices):
+  _, layout, state, batch = setup(overrides, devices)
+  return gradients(layout, state["params"], batch)
+
+
+def train_steps(config, layout, state, steps):
+  """`state` after the train steps on batches 0 .. steps - 1 (the state is donated)."""
+  step = make_train_step(layout, config)
+  for i in range(steps):
+    state, _ = step(state, batch_at(config, layout, i))
+  return state
+
+
+def run_layout(overrides, devices):
+  """Loss and gradients of the first batch, and the params after STEPS train steps, on the given layout."""
+  config, layout, state, batch = setup(overrides, devices)
+  loss, grads = gradients(layout, state["params"], batch)
+  return loss, grads, jax.device_get(train_steps(config, layout, state, STEPS)["params"])
+
+
+def assert_tree_close(actual, expected, what, tolerance=1e-5):
+  """Each leaf within `tolerance` of its expected largest entry; the trees must have the same structure."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), f"{what}: the trees differ"
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+    scale = max(np.abs(e).max(), 1e-12)
+    err = np.abs(a - e).max() / scale
+    assert err < tolerance, f"{what} {jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+# GPT-2's key bias has no gradient in exact arithmetic: q . b_k adds one constant to all of a query's
+# scores, which the softmax cancels. In float32 its gradient is rounding noise (|g| ~ 1e-12) that AdamW
+# divides by eps = 1e-8, moving it by ~lr x 1e-4 per update, differently on each layout: far below any
+# real update (~lr), but not within 1e-5 of the query and value biases it shares a leaf with. It is
+# held to this bound instead: two updates of at most lr |g| / eps = 3e-3 x 1e-11 / 1e-8 = 3e-6 each.
+KEY_BIAS_BOUND = 1e-5
+
+
+def without_key_bias(params, what):
+  """`params` with GPT-2's key bias zeroed, once it is shown to be below KEY_BIAS_BOUND."""
+  def strip(path, leaf):
+    if not jax.tree_util.keystr(path).endswith("['qkv_bias']"):
+      return leaf
+    leaf = np.array(leaf)  # (..., q/k/v, heads, head_dim)
+    assert np.abs(leaf[..., 1, :, :]).max() < KEY_BIAS_BOUND, f"{what}: the key bias moved like a weight"
+    leaf[..., 1, :, :] = 0
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(strip, params)
+
+
+def assert_params_close(actual, expected, what):
+  """assert_tree_close for parameters after training steps, the key bias held to KEY_BIAS_BOUND."""
+  assert_tree_close(without_key_bias(actual, what), without_key_bias(expected, what), what)
+
+
+# bfloat16 keeps 8 significant bits, so a value computed in it is rounded by up to 2^-8 relative, one way
+# on one layout and the other way on another. The loss is float32 arithmetic on bfloat16 logits whose
+# rounding errors average over the batch's 512 per-token losses: 2^-8 / sqrt(512) = 1.7e-4. A gradient
+# of a weight is a float32-accumulated product of bfloat16 operands that may each differ by an ulp:
+# within 2^-6 (4 ulps) of its largest entry (0.6% at most here). GPT-2's projection and MLP biases are
+# added in bfloat16, so their gradients are sums over the batch's tokens in bfloat16 whose error grows
+# with the count, and each layout sums in its own order: 11% here, held to 25% (a missing reduction over
+# data would be 88%).
+BF16_LOSS_RTOL = 2.0**-8 / np.sqrt(512)
+BF16_WEIGHT_GRADIENT_TOLERANCE = 2.0**-6
+BF16_BIAS_GRADIENT_TOLERANCE = 0.25
+
+
+def assert_bf16_gradients_close(grads, ref_grads, what):
+  """assert_tree_close at bfloat16's tolerances: the biases added in bfloat16 (`*_bias`) apart."""
+  def split(tree):
+    added_in_bf16 = lambda path: jax.tree_util.keystr(path).endswith("_bias']")
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ({jax.tree_util.keystr(p): x for p, x in flat if added_in_bf16(p)},
+            {jax.tree_util.keystr(p): x for p, x in flat if not added_in_bf16(p)})
+
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads), f"{what}: the trees differ"
+  (biases, weights), (ref_biases, ref_weights) = split(grads), split(ref_grads)
+  assert_tree_close(weights, ref_weights, what, BF16_WEIGHT_GRADIENT_TOLERANCE)
+  assert_tree_close(biases, ref_biases, f"{what} (bias added in bfloat16)", BF16_BIAS_GRADIENT_TOLERANCE)
