@@ -47,6 +47,10 @@ def main(argv):
   del argv
   config = _CONFIG.value
   degrees = [int(d) for d in _DEGREES.value]
+  misfit = next((d for d in degrees if d < 1 or jax.device_count() % d), None)
+  if misfit is not None:
+    sys.exit(f"error: --sequence degree {misfit} does not divide the {jax.device_count()} devices jax sees; "
+             "simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=8 or give smaller degrees.")
   print(f"temporary MiB per device{' (compiled / estimate)' * _ESTIMATE.value}, {config.attention.context} "
         f"attention, remat {config.model.remat}, {jax.device_count()} devices, one sequence per data-parallel group")
   width = 20 if _ESTIMATE.value else 14
