@@ -118,9 +118,13 @@ class HfTokenizer:
       text.append("\ufffd")
     return "".join(text[:-1])
 
+  def content(self) -> str:
+    """The tokenizer.json as the tokenizers library reads it: what decides the ids, wherever it lies."""
+    return self._tokenizer.to_str()
+
   def same_as(self, other) -> bool:
     """Whether `other` maps text to the same ids (the same tokenizer.json, wherever it lies)."""
-    return isinstance(other, HfTokenizer) and self._tokenizer.to_str() == other._tokenizer.to_str()
+    return isinstance(other, HfTokenizer) and self.content() == other.content()
 
 
 TOKENIZERS = {"byte": ByteTokenizer, "gpt2": Gpt2Tokenizer}

@@ -28,6 +28,7 @@ from interop import hf_mapping
 from model.config import ModelConfig
 from model.transformer import STACKED
 from training.state import Layout, model_config
+from training.validate import cannot_hold_files
 
 SCHEME = "hf:"
 WEIGHTS = "model.safetensors"
@@ -239,7 +240,7 @@ def check_new_directory(directory: str) -> Path:
   target = Path(directory).expanduser().resolve()
   # The export is written beside the target, in the nearest folder that exists, then renamed onto it.
   folders = [target, target.parent] if target.is_dir() else [next(p for p in target.parents if p.exists())]
-  unwritable = next((f for f in folders if not os.access(f, os.R_OK | os.W_OK | os.X_OK)), None)
+  unwritable = next((f for f in folders if cannot_hold_files(f)), None)
   if unwritable is not None:
     raise ValueError(f"{target} cannot be written ({unwritable} is not writable); export to a folder you "
                      "can write in.")

@@ -38,6 +38,7 @@ class Checkpoints:
     self.every = every
     self._tokenizer = tokenizer
     self._state_bytes = 0  # of the last state saved: what a failed save needed
+    self._unchecked_save = False  # a save was started whose outcome `check` has not yet seen
     self._keep = keep
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     # A failed save's serialization task, garbage-collected at any later time, even at exit.
@@ -105,12 +106,15 @@ class Checkpoints:
       items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
     with self._reporting_failed_saves():  # orbax also raises an earlier async save's error here
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._unchecked_save = True
 
   def check(self) -> None:
     """Raises, in one line, if the last async save has failed (say, a full disk), from the first call
     after it ended. Orbax keeps a failure for the next save or wait to raise (check_for_errors misses
-    it: the save's own finalize thread has taken it), so a run would go on until its next save."""
-    if not self._manager.is_saving_in_progress():
+    it: the save's own finalize thread has taken it), so a run would go on until its next save. Between
+    saves it does nothing: it is called after every step."""
+    if self._unchecked_save and not self._manager.is_saving_in_progress():
+      self._unchecked_save = False
       self.wait()  # returns at once after a save that succeeded
 
   @contextlib.contextmanager
@@ -238,13 +242,11 @@ _QUIET_FAILED_SAVES = _QuietFailedSaves()
 
 def tokenizer_record(tokenizer) -> dict:
   """What a checkpoint keeps of the tokenizer its text went through: its name and vocabulary size, and
-  for a Hugging Face tokenizer a hash of its tokenizer.json as the tokenizers library reads it, since
-  the same tokenizer may lie in another directory (HfTokenizer.same_as compares the same text)."""
+  for a Hugging Face tokenizer a hash of its content, since the same tokenizer may lie in another
+  directory (HfTokenizer.same_as compares the same text)."""
   record = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size}
   if isinstance(tokenizer, HfTokenizer):
-    from tokenizers import Tokenizer  # present: HfTokenizer loaded it
-    text = Tokenizer.from_file(str(tokenizer.folder / "tokenizer.json")).to_str()
-    record["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    record["sha256"] = hashlib.sha256(tokenizer.content().encode()).hexdigest()
   return record
 
 

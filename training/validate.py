@@ -96,10 +96,20 @@ def _check_workdir(workdir: str) -> None:
   if path.exists() and not path.is_dir():
     raise ValueError(f"workdir={workdir!r} is a file, not a folder; choose another --config.workdir.")
   existing = next(p for p in (path, *path.parents) if p.exists())  # the folder it will be made in
-  # Making (and removing) a folder there is the only sure test: permission bits say nothing to root,
-  # and some filesystems (/proc, /sys) refuse every new file whatever they say.
-  try:
-    os.rmdir(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=existing))
-  except OSError as error:
+  reason = cannot_hold_files(existing)
+  if reason:
     raise ValueError(f"workdir={workdir!r} cannot be written ({existing} cannot hold new files: "
-                     f"{error.strerror}); choose another --config.workdir.") from None
+                     f"{reason}); choose another --config.workdir.")
+
+
+def cannot_hold_files(folder: Path) -> str | None:
+  """Why no file can be made in `folder`, in the system's words, or None when one can.
+
+  Making (and removing) a folder there is the only sure test: permission bits say nothing to root,
+  and some filesystems (/proc, /sys, a read-only mount) refuse every new file whatever they say.
+  """
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=folder))
+  except OSError as error:
+    return error.strerror
+  return None
