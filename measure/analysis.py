@@ -38,6 +38,7 @@ import itertools
 import os
 import re
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 from jax._src import config as jax_config  # the cache switch as a context manager
@@ -143,8 +144,9 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
   known_trips = {}
   if partitioned is not None:
     known_trips, text = _trip_counts(text), partitioned
-  depth, loop_body, trips, where = _loop_nesting(text, known_trips, busy or {})
-  lines = text.splitlines()
+  module = _parse(text, known_trips)
+  depth, loop_body, trips = _loop_nesting(module, busy or {})
+  lines = module.lines
   uses = _uses(lines) if partitioned is not None else {}
   found = {}
   for line_number, line in enumerate(lines):
@@ -154,7 +156,7 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
     name, result_type, kind, start = match.groups()
     groups = parse_groups(line, mesh.size)
     axes = {a for g in groups for a in _differing_axes(g, coords, mesh)}
-    computation = where.get(line_number, "")
+    computation = module.where.get(line_number, "")
     found[name] = Collective(
         kind=kind, name=name, computation=computation,
         loop_depth=depth.get(computation, 0),
@@ -218,53 +220,85 @@ def matmul_flops(compiled, partitioned: str, busy: dict[int, int] | None = None)
   `compiled.cost_analysis()` also reports per-device FLOPs, but counts a while
   loop's body once whatever its trips (a scanned layer stack as one layer).
   """
-  known_trips, busy = _trip_counts(compiled.as_text()), busy or {}
-  own, calls, current, entry = collections.defaultdict(int), collections.defaultdict(list), None, None
-  lines = partitioned.splitlines()
-  types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, lines) if m}
-  # A tuple-valued instruction's elements are named `name#i` where used, as a parameter's are.
-  types.update({f"{name}#{i}": element for name, kind in list(types.items()) if kind.startswith("(")
-                for i, element in enumerate(_ARRAY_TYPE.findall(kind))})
-  for line in lines:
-    if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
-      current = line.removeprefix("ENTRY").split()[0].lstrip("%")
-      entry = current if line.startswith("ENTRY") else entry
-      # Parameters are typed in the header; a tuple's elements are named `param#i` where used.
-      for name, kind in re.findall(r"%?([\w.\-]+): (\((?:[^()]|\([^()]*\))*\)|\w+\[[\d,]*\])", line):
-        types[name] = kind
-        types.update({f"{name}#{i}": element for i, element in enumerate(_ARRAY_TYPE.findall(kind))})
-      continue
+  module, busy = _parse(partitioned, _trip_counts(compiled.as_text())), busy or {}
+  own = collections.Counter()
+  for line_number, line in enumerate(module.lines):
     if dot := _DOT.search(line):
       lhs, _, contracting = dot.groups()
-      lhs_dims = _ints(re.search(r"\[([^\]]*)\]", types[lhs]).group(1))
+      lhs_dims = _ints(re.search(r"\[([^\]]*)\]", module.types[lhs]).group(1))
       result_dims = _ints(re.search(r"\[([^\]]*)\]", _DEFINITION.match(line).group(2)).group(1))
       contracted = int(np.prod([lhs_dims[i] for i in _ints(contracting)], dtype=np.int64))
-      own[current] += 2 * int(np.prod(result_dims, dtype=np.int64)) * contracted
-    body = re.search(r"\bbody=%?([\w.\-]+)", line)
-    count = _TRIP_COUNT.search(line)
-    trips = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
-    branches = [callee.lstrip("%") for attribute, listed, single in _CALLEE.findall(line)
-                if attribute in _BRANCHES for callee in (re.split(r",\s*", listed) if listed else [single])]
-    if branches:
-      calls[current].append((_BRANCHES[0], 1, branches))
-    for attribute, listed, single in _CALLEE.findall(line):
-      if attribute not in _BRANCHES:
-        for callee in re.split(r",\s*", listed) if listed else [single]:
-          calls[current].append((attribute, trips if attribute in ("body", "condition") else 1,
-                                 [callee.lstrip("%")]))
+      own[module.where[line_number]] += 2 * int(np.prod(result_dims, dtype=np.int64)) * contracted
 
   @functools.cache
   def cost(computation: str, loop_trips: int | None) -> fractions.Fraction:
     """FLOPs of one run of `computation`, which sits (directly or through calls) in a loop of `loop_trips`."""
     total = fractions.Fraction(own[computation])
-    for attribute, times, callees in calls[computation]:
-      inner = times if attribute in ("body", "condition") else None if attribute in _BRANCHES else loop_trips
-      share = fractions.Fraction(busy[loop_trips], loop_trips) if (
-          attribute in _BRANCHES and loop_trips in busy) else 1
-      total += times * share * max(cost(callee, inner) for callee in callees)
+    for call in module.calls.get(computation, ()):
+      inner = call.trips if call.loop else None if call.branches else loop_trips
+      share = fractions.Fraction(busy[loop_trips], loop_trips) if call.branches and loop_trips in busy else 1
+      total += call.trips * share * max(cost(callee, inner) for callee in call.callees)
     return total
 
-  return int(cost(entry, None))
+  return int(cost(module.entry, None))
+
+
+class _Call(NamedTuple):
+  """One instruction's call of other computations: a loop's body or condition, a conditional's
+  branches (one of which runs), or a plain call (fusion, reduction, map)."""
+  callees: tuple[str, ...]
+  trips: int  # the loop's for its body and condition, else 1
+  loop: str | None  # the loop's body name for its body and condition (a while names its loop by the body)
+  branches: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+  """An HLO module's text read once: its lines, which computation each sits in, each computation's
+  calls, and the type of every instruction and parameter (a tuple's elements as `name#i`)."""
+  lines: list[str]
+  entry: str
+  where: dict[int, str]
+  calls: dict[str, list[_Call]]
+  types: dict[str, str]
+
+
+def _parse(text: str, known_trips: dict[str, int]) -> _Module:
+  """Reads `text` into a _Module. A loop whose trip count the text does not carry takes it from
+  `known_trips` (by body base name), else counts once."""
+  lines, where, calls, types, current, entry = text.splitlines(), {}, {}, {}, None, None
+  headers = {}
+  for line_number, line in enumerate(lines):
+    if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+      current = line.removeprefix("ENTRY").split()[0].lstrip("%")
+      entry = current if line.startswith("ENTRY") else entry
+      calls[current] = []
+      # Parameters are typed in the header.
+      headers.update(re.findall(r"%?([\w.\-]+): (\((?:[^()]|\([^()]*\))*\)|\w+\[[\d,]*\])", line))
+      continue
+    if current is None:
+      continue
+    where[line_number] = current
+    if definition := _DEFINITION.match(line):
+      types[definition.group(1)] = definition.group(2)
+    body, count = re.search(r"\bbody=%?([\w.\-]+)", line), _TRIP_COUNT.search(line)
+    trips = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
+    branches = []
+    for attribute, listed, single in _CALLEE.findall(line):
+      callees = [callee.lstrip("%") for callee in (re.split(r",\s*", listed) if listed else [single])]
+      if attribute in _BRANCHES:
+        branches += callees
+      else:
+        is_loop = attribute in ("body", "condition")
+        calls[current] += [_Call((callee,), trips if is_loop else 1, body.group(1) if is_loop else None, False)
+                           for callee in callees]
+    if branches:
+      calls[current].append(_Call(tuple(branches), 1, None, True))
+  types.update(headers)  # a parameter's header type wins over an instruction of the same name
+  # A tuple-valued instruction's or parameter's elements are named `name#i` where used.
+  types.update({f"{name}#{i}": element for name, kind in list(types.items()) if kind.startswith("(")
+                for i, element in enumerate(_ARRAY_TYPE.findall(kind))})
+  return _Module(lines, entry, where, calls, types)
 
 
 def _trip_counts(compiled_text: str) -> dict[str, int]:
@@ -406,50 +440,30 @@ def _array_bytes(dtype: str, dims: list[int]) -> int:
   return -(-int(np.prod(dims, dtype=np.int64)) * bits // 8)
 
 
-def _loop_nesting(text: str, known_trips: dict[str, int], busy: dict[int, int]):
+def _loop_nesting(module: _Module, busy: dict[int, int]):
   """Per computation: while loops around it, the innermost body's name, and the trips it runs.
 
-  A loop whose trip count the text does not carry takes it from `known_trips`
-  (by body base name), else counts once. A conditional's branches run on
-  `busy[n]` of the trips of a loop of n trips whose body holds it (directly or
-  through calls), else on every trip. Also returns, per line number, the
-  computation that line sits in.
+  A conditional's branches run on `busy[n]` of the trips of a loop of n trips
+  whose body holds it (directly or through calls), else on every trip.
   """
-  callees, where, current, entry = {}, {}, None, None
-  for line_number, line in enumerate(text.splitlines()):
-    if line and not line[0].isspace() and line.rstrip().endswith("{") \
-        and not line.startswith("HloModule"):
-      is_entry = line.startswith("ENTRY")
-      current = line.removeprefix("ENTRY").split()[0].lstrip("%")
-      entry = current if is_entry else entry
-      callees[current] = []
-    elif current is not None:
-      where[line_number] = current
-      # A while names its loop by the body, for the condition too.
-      body = re.search(r"\bbody=%?([\w.\-]+)", line)
-      count = _TRIP_COUNT.search(line)
-      count = int(count.group(1)) if count else _known_trips(body.group(1), known_trips) if body else 1
-      for attribute, listed, single in _CALLEE.findall(line):
-        for callee in re.split(r",\s*", listed) if listed else [single]:
-          is_loop = attribute in ("body", "condition")
-          callees[current].append((callee.lstrip("%"), attribute, body.group(1) if is_loop else None,
-                                   count if is_loop else 1))
+  entry = module.entry
   depth, loop_body, trips, loop_trips = {entry: 0}, {}, {entry: 1}, {entry: None}
   pending = [entry]
   while pending:  # A worklist: a computation may have several callers.
     caller = pending.pop()
-    for callee, attribute, body, count in callees.get(caller, ()):
-      is_loop = attribute in ("body", "condition")
-      new_depth = depth[caller] + is_loop
-      if new_depth > depth.get(callee, -1):
+    for call in module.calls.get(caller, ()):
+      for callee in call.callees:
+        new_depth = depth[caller] + (call.loop is not None)
+        if new_depth <= depth.get(callee, -1):
+          continue
         depth[callee] = new_depth
-        loop_body[callee] = body if is_loop else loop_body.get(caller)
-        trips[callee] = trips[caller] * count
-        loop_trips[callee] = count if is_loop else None if attribute in _BRANCHES else loop_trips[caller]
-        if attribute in _BRANCHES and loop_trips[caller] in busy:
+        loop_body[callee] = call.loop or loop_body.get(caller)
+        trips[callee] = trips[caller] * call.trips
+        loop_trips[callee] = call.trips if call.loop else None if call.branches else loop_trips[caller]
+        if call.branches and loop_trips[caller] in busy:
           trips[callee] = trips[caller] // loop_trips[caller] * busy[loop_trips[caller]]
         pending.append(callee)
-  return depth, loop_body, trips, where
+  return depth, loop_body, trips
 
 
 def count_by(found, kind=None, axes=None, in_loop=None) -> int:
