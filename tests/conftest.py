@@ -1,6 +1,7 @@
 """Every test runs on 8 simulated CPU devices, set before jax is first imported."""
 
 import os
+import subprocess
 import tempfile
 
 # The optimisation level trades a little CPU run time for much shorter compiles,
@@ -24,3 +25,15 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def eight_devices():
   assert jax.device_count() == 8, "tests expect 8 simulated devices; was jax imported before conftest?"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 700 KiB tmpfs: room for the logs, not for a checkpoint of the tiny model (1.4 MiB)."""
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], capture_output=True).returncode:
+    pytest.skip("this machine does not let the tests mount a tmpfs")
+  yield mount
+  # Lazily: a run stopped by the full disk may still hold its TensorBoard file open in the traceback.
+  subprocess.run(["umount", "--lazy", str(mount)], check=True)

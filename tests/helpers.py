@@ -2,17 +2,23 @@
 equivalence harness that holds a layout's loss, gradients and parameters to one device's."""
 
 import json
+import os
+import re
+import subprocess
+import time
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
+import pytest
 
 from configs.gpt2 import get_config
 from input_pipeline import data
 from model.placement import placed
 from parallel import placement
-from training.state import init_state, plan
-from training.step import loss_and_grads, make_train_step
+from training.state import abstract_inputs, init_state, plan
+from training.step import loss_and_grads, loss_fn, make_train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,3 +150,78 @@ def assert_bf16_gradients_close(grads, ref_grads, what):
   (biases, weights), (ref_biases, ref_weights) = split(grads), split(ref_grads)
   assert_tree_close(weights, ref_weights, what, BF16_WEIGHT_GRADIENT_TOLERANCE)
   assert_tree_close(biases, ref_biases, f"{what} (bias added in bfloat16)", BF16_BIAS_GRADIENT_TOLERANCE)
+
+
+def compiled_forward(layout, config):
+  state, batch = abstract_inputs(layout, config)
+
+  def forward(params, batch):
+    with placed(placement.for_layout(layout)):
+      return loss_fn(layout, params, batch)
+
+  return jax.jit(forward).lower(state["params"], batch).compile()
+
+
+def data_config(source="tokens", path=""):
+  return ml_collections.ConfigDict(dict(source=source, path=str(path), prefetch=2))
+
+
+def write_corpus(folder: Path) -> list[str]:
+  """Writes a few text files (and some that are skipped); returns the texts in read order."""
+  texts = {"b.txt": "héllo\r\nwörld", "a/c.md": "# title\n", "d.py": "print('日本')\n" * 50}
+  for name, text in texts.items():
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(text.encode("utf-8"))
+  (folder / "e.bin").write_bytes(b"\0\1\2")
+  (folder / ".hidden").mkdir()
+  (folder / ".hidden" / "x.txt").write_text("secret")
+  return [texts[name] for name in ("a/c.md", "b.txt", "d.py")]
+
+
+SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
+SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
+         ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
+
+
+def run_reference(jobs: list, where: Path) -> None:
+  """Run jobs in the transformers sidecar; in CI a missing sidecar fails the test instead of skipping it."""
+  if not SIDECAR.exists():
+    message = f"the transformers sidecar {SIDECAR} is missing; set it up with: {SETUP}"
+    if os.environ.get("CI"):
+      pytest.fail(message)
+    pytest.skip(message)
+  jobs_file = where / "jobs.json"
+  jobs_file.write_text(json.dumps(jobs))
+  result = subprocess.run([str(SIDECAR), str(ROOT / "tests" / "hf_reference.py"), str(jobs_file)],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+def wait_for(condition, timeout=120):
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.2)
+
+
+def logged_steps(workdir):
+  return [r["step"] for r in read_metrics(workdir)] if (workdir / "metrics.jsonl").exists() else []
+
+
+def what_went_wrong(output: str) -> str:
+  """The output's last 40 lines that say something: a crashed process's thread dump (one "File" line
+  per frame, for every thread) would otherwise push the launcher's lines and XLA's message out of view."""
+  bar = re.compile(r".*\d+%\|[^\]]*\]\s*")  # tqdm's progress bars, redrawn in front of the log lines
+  noise = re.compile(r"\s*(File |Thread 0x|Current thread 0x|Extension modules:|\[Gloo\]|$)")
+  lines = [bar.sub("", line) for line in output.splitlines()]
+  return "\n".join([line for line in lines if not noise.match(line)][-40:])
+
+
+LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192}
+
+
+def qkv(t, s, heads=4, kv_heads=2, head_dim=8, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (2, t, heads, head_dim)),
+          jax.random.normal(keys[1], (2, s, kv_heads, head_dim)),
+          jax.random.normal(keys[2], (2, s, kv_heads, head_dim)))

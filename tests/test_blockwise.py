@@ -8,14 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_tree_close, loss_and_gradients, tiny_config
+from helpers import LLAMA, assert_tree_close, loss_and_gradients, qkv, tiny_config
 from model.attention import attention_block, blockwise_attention, kernel
 from model.transformer import chunk_count, chunked_cross_entropy
 from parallel.context import zigzag_order
 from parallel.checks import attention_kernel
 from training.state import build_model, model_config, plan
-
-LLAMA = {"model.family": "llama", "model.num_heads": 8, "model.kv_heads": 4, "model.mlp_dim": 192}
 
 
 @pytest.mark.parametrize("overrides, backend, expected", [
@@ -70,13 +68,6 @@ def test_splash_attention_equals_the_xla_kernel(mesh):
 def test_splash_where_it_cannot_run_is_refused_in_one_line(overrides, says):
   with pytest.raises(ValueError, match=re.escape(says)):
     plan(tiny_config(**overrides))
-
-
-def qkv(t, s, heads=4, kv_heads=2, head_dim=8, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (2, t, heads, head_dim)),
-          jax.random.normal(keys[1], (2, s, kv_heads, head_dim)),
-          jax.random.normal(keys[2], (2, s, kv_heads, head_dim)))
 
 
 @pytest.mark.parametrize("t, s, block, order", [

@@ -4,23 +4,11 @@ import collections
 
 import jax
 
-from helpers import tiny_config
+from helpers import compiled_forward, tiny_config
 from measure import analysis
-from model.placement import placed
-from parallel import placement
 from parallel.mesh import DATA, TENSOR
-from training.state import abstract_inputs, param_count, plan
-from training.step import compile_train_step, loss_fn
-
-
-def compiled_forward(layout, config):
-  state, batch = abstract_inputs(layout, config)
-
-  def forward(params, batch):
-    with placed(placement.for_layout(layout)):
-      return loss_fn(layout, params, batch)
-
-  return jax.jit(forward).lower(state["params"], batch).compile()
+from training.state import param_count, plan
+from training.step import compile_train_step
 
 
 def tensor_all_reduces_per_loop(found):

@@ -5,13 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_tree_close, loss_and_gradients, tiny_config
+from helpers import assert_tree_close, compiled_forward, loss_and_gradients, tiny_config
 from measure import analysis
 from parallel import context
 from parallel.checks import check_divides
 from parallel.context import zigzag_order
 from parallel.mesh import make_mesh
-from test_collectives import compiled_forward
 from training.state import model_config, plan
 
 FAMILIES = {

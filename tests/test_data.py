@@ -12,21 +12,16 @@ import threading
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, data_config, tiny_config, write_corpus
 from input_pipeline import data, token_files, tokenizer
 from run.loop import train
 from tools import prepare
 
 B, T = 8, 16
-
-
-def data_config(source="tokens", path=""):
-  return ml_collections.ConfigDict(dict(source=source, path=str(path), prefetch=2))
 
 
 def toy_split(name="train", length=5000):
@@ -136,18 +131,6 @@ def test_prefetcher_closes_early():
   assert not batches._worker.is_alive()  # pylint: disable=protected-access
   assert list(batches) == []
   assert not any(t.name == "meshlm-prefetch" and t.is_alive() for t in threading.enumerate())
-
-
-def write_corpus(folder: Path) -> list[str]:
-  """Writes a few text files (and some that are skipped); returns the texts in read order."""
-  texts = {"b.txt": "héllo\r\nwörld", "a/c.md": "# title\n", "d.py": "print('日本')\n" * 50}
-  for name, text in texts.items():
-    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_bytes(text.encode("utf-8"))
-  (folder / "e.bin").write_bytes(b"\0\1\2")
-  (folder / ".hidden").mkdir()
-  (folder / ".hidden" / "x.txt").write_text("secret")
-  return [texts[name] for name in ("a/c.md", "b.txt", "d.py")]
 
 
 def test_prepare_round_trips_a_folder(tmp_path):

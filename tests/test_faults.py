@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, read_metrics, tiny_config
+from helpers import ROOT, logged_steps, read_metrics, tiny_config, wait_for
 from input_pipeline import data
 from input_pipeline.token_files import write_token_folder
 from run.loop import train
@@ -272,17 +272,6 @@ def start_train(workdir, *flags):
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(condition, timeout=120):
-  deadline = time.time() + timeout
-  while not condition():
-    assert time.time() < deadline, "timed out"
-    time.sleep(0.2)
-
-
-def logged_steps(workdir):
-  return [r["step"] for r in read_metrics(workdir)] if (workdir / "metrics.jsonl").exists() else []
-
-
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
   process = start_train(tmp_path)
   wait_for(lambda: logged_steps(tmp_path))
@@ -386,18 +375,6 @@ def test_two_runs_started_in_one_workdir_one_wins_the_other_names_it(short_refer
   assert curve(tmp_path) == curve(reference)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted(os.listdir(reference / "checkpoints"))
   jax.tree.map(np.testing.assert_array_equal, saved_state(tmp_path, 24), saved_state(reference, 24))
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-  """A 700 KiB tmpfs: room for the logs, not for a checkpoint of the tiny model (1.4 MiB)."""
-  mount = tmp_path / "disk"
-  mount.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], capture_output=True).returncode:
-    pytest.skip("this machine does not let the tests mount a tmpfs")
-  yield mount
-  # Lazily: a run stopped by the full disk may still hold its TensorBoard file open in the traceback.
-  subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_a_full_disk_stops_the_run_at_the_first_failed_save(small_disk):

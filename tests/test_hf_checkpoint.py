@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
-from helpers import ROOT, read_metrics, tiny_config
+from helpers import ROOT, read_metrics, run_reference, tiny_config
 from input_pipeline import data
 from interop import hf_checkpoint
 from model.placement import placed
@@ -33,9 +33,7 @@ from tools.export import export
 from training.checkpoint import Checkpoints
 from training.state import plan, state_from_params
 
-SIDECAR = ROOT / ".venv-hf" / "bin" / "python"
-SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
-         ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
+
 VOCAB = 300  # padded to 384 inside meshlm
 # name: (family, transformers config, save_pretrained arguments)
 MODELS = {
@@ -49,20 +47,6 @@ MODELS = {
 }
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
-
-
-def run_reference(jobs: list, where: Path) -> None:
-  """Run jobs in the transformers sidecar; in CI a missing sidecar fails the test instead of skipping it."""
-  if not SIDECAR.exists():
-    message = f"the transformers sidecar {SIDECAR} is missing; set it up with: {SETUP}"
-    if os.environ.get("CI"):
-      pytest.fail(message)
-    pytest.skip(message)
-  jobs_file = where / "jobs.json"
-  jobs_file.write_text(json.dumps(jobs))
-  result = subprocess.run([str(SIDECAR), str(ROOT / "tests" / "hf_reference.py"), str(jobs_file)],
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

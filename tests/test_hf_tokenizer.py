@@ -10,9 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helpers import tiny_config
-from test_data import data_config, write_corpus
-from test_hf_checkpoint import run_reference
+from helpers import data_config, run_reference, tiny_config, write_corpus
 from input_pipeline import data
 from input_pipeline.tokenizer import load_tokenizer, run_tokenizer
 from tools import prepare

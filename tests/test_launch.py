@@ -9,9 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import ROOT
-from test_faults import logged_steps, wait_for
-from test_survive import what_went_wrong
+from helpers import ROOT, logged_steps, wait_for, what_went_wrong
 
 RUN = {"log_every": 1, "eval_every": 0, "sample_tokens": 0, "batch_size": 24, "mesh.data": 8,
        "model.embed_dim": 64, "model.mlp_dim": 256, "model.max_len": 32, "schedule.warmup_steps": 2,

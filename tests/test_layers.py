@@ -47,3 +47,13 @@ def test_a_module_imports_only_from_rooms_below_its_own(module):
   upward = {other for other in first_party_imports(ROOT / module)
             if other != room and FLOOR[other] >= FLOOR[room]}
   assert not upward, f"{module} (floor {FLOOR[room]}) imports {sorted(upward)}, on its floor or above"
+
+
+def test_a_test_file_shares_code_through_helpers_not_through_another_test_file():
+  for path in sorted((ROOT / "tests").glob("test_*.py")):
+    imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    shared = sorted(name for name in imported if name.split(".")[-1].startswith("test_"))
+    assert not shared, f"{path.name} imports {shared}; move what it needs into tests/helpers.py"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_tree_close, read_metrics, setup, tiny_config
+from helpers import assert_tree_close, compiled_forward, read_metrics, setup, tiny_config
 from model.config import ModelConfig
 import moe_reference
 from measure import analysis
@@ -16,7 +16,6 @@ from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
 from model.placement import placed
 from parallel import placement
 from parallel.mesh import DATA, EXPERT
-from test_collectives import compiled_forward
 from run.loop import train
 from tools import moe_memory
 from training.state import active_param_count, param_count, plan

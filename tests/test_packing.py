@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_tree_close, loss_and_gradients, tiny_config
+from helpers import LLAMA, assert_tree_close, loss_and_gradients, qkv, tiny_config
 from model.attention import attention_block, blockwise_attention
 from model.transformer import document_ids, document_positions, token_losses
-from test_blockwise import LLAMA, qkv
 from run.loop import train
 from training.state import build_model, model_config, plan
 

@@ -10,8 +10,7 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ROOT
-from test_data import data_config
+from helpers import ROOT, data_config
 from input_pipeline import data, tokenizer
 from tools import prepare
 

@@ -9,9 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-from helpers import ROOT
-from test_data import write_corpus
-from test_faults import small_disk  # noqa: F401  (a fixture, used by name)
+from helpers import ROOT, write_corpus
 from tools import prepare
 
 NOT_UTF8 = [b"fine", b"also fine", b"caf\xff au lait", b"fine again"]  # record 2 is not UTF-8

@@ -3,7 +3,6 @@ run on 4 processes (hybrid sharding) that loses two mid-run and still matches an
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, read_metrics, tiny_config
+from helpers import ROOT, read_metrics, tiny_config, what_went_wrong
 from input_pipeline import data
 from resilience import survive
 from resilience.redundancy import survival_problem
@@ -270,15 +269,6 @@ def launch(workdir, *launch_flags, **overrides):
                           cwd=ROOT, capture_output=True, text=True, timeout=250)
   assert result.returncode == 0, what_went_wrong(result.stdout + result.stderr)
   return result.stdout + result.stderr
-
-
-def what_went_wrong(output: str) -> str:
-  """The output's last 40 lines that say something: a crashed process's thread dump (one "File" line
-  per frame, for every thread) would otherwise push the launcher's lines and XLA's message out of view."""
-  bar = re.compile(r".*\d+%\|[^\]]*\]\s*")  # tqdm's progress bars, redrawn in front of the log lines
-  noise = re.compile(r"\s*(File |Thread 0x|Current thread 0x|Extension modules:|\[Gloo\]|$)")
-  lines = [bar.sub("", line) for line in output.splitlines()]
-  return "\n".join([line for line in lines if not noise.match(line)][-40:])
 
 
 def final_params(workdir, config):
