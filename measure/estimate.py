@@ -491,8 +491,8 @@ def _tensor_parallel(config, mesh, traffic):
   Each device's matmul rounds its float32 accumulation to the compute dtype
   before the sum (model/layers.py), so these carry the compute dtype, as in
   Megatron-LM. Outside the layers: the vocabulary-sharded embedding lookup
-  forward (float32: the table is gathered before the cast), the head's input
-  gradient backward (compute dtype), and the softmax's max, sum and the
+  forward and the head's input gradient backward (both in the compute dtype:
+  the table is cast before its rows are gathered), and the softmax's max, sum and the
   loss's contraction over the vocabulary, each a float32 value per token;
   a pipeline's stages run the head on 1/P of the tokens each.
   """
@@ -502,7 +502,7 @@ def _tensor_parallel(config, mesh, traffic):
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
   per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
-  outside = (d.tokens * d.embed * F32_BYTES
+  outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(config, mesh[PIPELINE])
   traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer

@@ -70,13 +70,13 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
   the queries attend over all of it.
   """
   placement = current()
-  if segments_BT is not None:  # parallel/checks.py keeps packing off sharded sequences and cuDNN
-    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
-                                      (segments_BT, segments_BT))
-  elif cache is not None:
+  if cache is not None:
     out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block)
   elif placement.attention is not None:
-    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, block=cfg.attention_block)
+    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block)
+  elif segments_BT is not None:  # parallel/checks.py keeps packing off the fused kernels
+    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
+                                      (segments_BT, segments_BT))
   elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
@@ -170,15 +170,16 @@ def _flash_backward(blocks, saved, cotangents):
           None)
 
 
-def flash_gradients(block: int, rows, keys):
+def flash_gradients(block: int, rows, keys, segments=None):
   """Float32 (dQ, dK, dV) of queries against some of the keys they attend to, in blocks of at most `block`.
 
   `rows` = (q, q positions, out, log-sum-exp, dOut, dLse): the queries, their whole attention's
   output and log-sum-exp (over every key, not only these) and those outputs' cotangents;
-  `keys` = (k, v, k positions). Ring attention sums these over the blocks of keys it visits.
+  `keys` = (k, v, k positions); `segments` as blockwise_attention's. Ring attention sums these over
+  the blocks of keys it visits.
   """
   blocks = (largest_divisor(rows[0].shape[1], block), largest_divisor(keys[0].shape[1], block))
-  return _block_gradients(blocks, rows, keys)
+  return _block_gradients(blocks, rows, keys, segments)
 
 
 def _block_gradients(blocks, rows, keys, segments=None):

@@ -7,6 +7,8 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -96,7 +98,32 @@ def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
   """
   if cfg.gathered_lookup:
     table_VD = constrain(table_VD, ("vocab", None))
-  return table_VD[tokens_BT]
+  return _rows_in(table_VD, tokens_BT, cfg.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rows_in(table_VD, tokens_BT, dtype):
+  """table_VD[tokens_BT] in `dtype`, its gradient accumulated in the table's own dtype.
+
+  The rows are looked up from the table cast first: with the vocabulary split over `tensor`, each
+  device gathers the rows it holds and an all-reduce over `tensor` assembles them, which then moves
+  bfloat16, not float32 (Megatron's embedding all-reduce is bfloat16 too). Each row's rounding is
+  the same either way. Autodiff would transpose the cast into a bfloat16 scatter-add, which rounds a
+  frequent token's sum over the batch; the backward pass below adds the cotangents in float32.
+  """
+  return table_VD.astype(dtype)[tokens_BT]
+
+
+def _rows_in_forward(table_VD, tokens_BT, dtype):
+  return _rows_in(table_VD, tokens_BT, dtype), (table_VD, tokens_BT)
+
+
+def _rows_in_backward(dtype, saved, d_rows_BTD):
+  table_VD, tokens_BT = saved
+  return jnp.zeros_like(table_VD).at[tokens_BT].add(d_rows_BTD.astype(table_VD.dtype)), None
+
+
+_rows_in.defvjp(_rows_in_forward, _rows_in_backward)
 
 
 def masked_vocab(logits_BTV, cfg: ModelConfig):
@@ -271,8 +298,11 @@ class LanguageModel(nnx.Module):
     attends within its own document, and learned positions count from its start.
     """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    segments_BT = document_ids(tokens_BT, self.cfg.document_end) if self.cfg.document_end >= 0 else None
-    embed_positions = positions_T if segments_BT is None else document_positions(segments_BT)
+    segments_BT, embed_positions = None, positions_T
+    if self.cfg.document_end >= 0:  # found in token order, whatever order the sequence arrives in
+      in_order_BT = tokens_BT[:, jnp.argsort(positions_T)]
+      segments_BT = document_ids(in_order_BT, self.cfg.document_end)
+      segments_BT, embed_positions = segments_BT[:, positions_T], document_positions(segments_BT)[:, positions_T]
     x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
     loss = self.head_loss(x_BTD, targets_BT)
     return loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}

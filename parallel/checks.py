@@ -29,12 +29,12 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
-  if model.document_end >= 0 and (shape[SEQUENCE] > 1 or shape[PIPELINE] > 1 or model.attention in ("cudnn", "splash")):
+  if model.document_end >= 0 and (shape[PIPELINE] > 1 or model.attention in ("cudnn", "splash")):
     raise ValueError(
         f"packed documents (data.segments, model.document_end={model.document_end}) are masked by "
-        f"model.attention=xla or auto on an unsharded sequence without a pipeline, but this run has "
-        f"mesh.sequence={shape[SEQUENCE]}, mesh.pipeline={shape[PIPELINE]}, model.attention={model.attention}; "
-        "use data, tensor and expert parallelism with packing, or turn data.segments off.")
+        f"model.attention=xla or auto without a pipeline, but this run has "
+        f"mesh.pipeline={shape[PIPELINE]}, model.attention={model.attention}; "
+        "use data, tensor, sequence and expert parallelism with packing, or turn data.segments off.")
   if model.num_experts:
     _divides("moe.experts", model.num_experts, "mesh.expert", shape[EXPERT])
     if shape[PIPELINE] > 1:

@@ -15,6 +15,10 @@ positions, so the strategies are exact whatever order the sequence is in.
   and each visiting block's fully masked half is skipped, not computed under a mask.
 - ulysses: an all-to-all trades the sequence split for a head split, each
   device attends over the whole sequence for N/S heads, and an all-to-all trades back.
+
+Packed documents: each token's segment id travels with its key wherever the
+key goes (gathered, round the ring in the visiting block, gathered whole for
+Ulysses' heads), so a query sees only keys of its own document on every strategy.
 """
 
 import functools
@@ -42,9 +46,11 @@ def strategy(name: str, mesh):
   """The attention function of context strategy `name` (model/placement.py `attention`)."""
   body = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[name]
 
-  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
-    return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=(_ACTIVATION, _ACTIVATION, _ACTIVATION, P(SEQUENCE)),
-                         out_specs=_ACTIVATION, axis_names={*BATCH_AXES, SEQUENCE})(q_BTNH, k_BTKH, v_BTKH, positions_T)
+  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+    inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
+    in_specs = (_ACTIVATION, _ACTIVATION, _ACTIVATION, P(SEQUENCE), _ACTIVATION)[:len(inputs)]
+    return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=in_specs,
+                         out_specs=_ACTIVATION, axis_names={*BATCH_AXES, SEQUENCE})(*inputs)
 
   return attend
 
@@ -66,62 +72,76 @@ def per_device(mesh):
   return run
 
 
-def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
-  gather = lambda x, axis: jax.lax.all_gather(x, SEQUENCE, axis=axis, tiled=True)
-  out_BTNH, _ = blockwise_attention(q_BTNH, gather(k_BTKH, 1), gather(v_BTKH, 1), positions_T,
-                                       gather(positions_T, 0), block)
+def _gather(x, axis):
+  return jax.lax.all_gather(x, SEQUENCE, axis=axis, tiled=True)
+
+
+def _pair(q_segments_BT, k_segments_BS):
+  """blockwise_attention's `segments` for these queries and keys: None without packing."""
+  return None if q_segments_BT is None else (q_segments_BT, k_segments_BS)
+
+
+def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+  segments = None if segments_BT is None else (segments_BT, _gather(segments_BT, 1))
+  out_BTNH, _ = blockwise_attention(q_BTNH, _gather(k_BTKH, 1), _gather(v_BTKH, 1), positions_T,
+                                    _gather(positions_T, 0), block, segments)
   return out_BTNH
 
 
-def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
-  out_BTNH, _ = _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T)
+def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+  out_BTNH, _ = _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)
   return out_BTNH
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T):
-  return _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T)[0]
+def _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
+  return _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)[0]
 
 
-def _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T):
+def _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
   """Each K/V block visits every device once; its queries merge what they see by log-sum-exp.
 
   Saves only this device's Q, K, V, output and log-sum-exp, as flash attention does: the
-  backward pass sends the blocks round again rather than keep S - 1 visitors' worth.
+  backward pass sends the blocks round again rather than keep S - 1 visitors' worth. A visiting
+  block carries its keys' segment ids (None without packing).
   """
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
-  first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, block)
+  first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, block,
+                              _pair(segments_BT, segments_BT))
 
   def hop(carry, hop):  # a scan, not a Python loop, so one visitor's buffers live at a time
     merged, kv_block = carry
     kv_block = jax.lax.ppermute(kv_block, SEQUENCE, _next(shards))
-    return (merge_blocks(merged, _visit(q_BTNH, *kv_block, positions_T, block, me < hop)), kv_block), None
+    visit = _visit(q_BTNH, *kv_block, positions_T, segments_BT, block, me < hop)
+    return (merge_blocks(merged, visit), kv_block), None
 
-  start = ((first[0].astype(jnp.float32), first[1]), (k_BTKH, v_BTKH, positions_T))
+  start = ((first[0].astype(jnp.float32), first[1]), (k_BTKH, v_BTKH, positions_T, segments_BT))
   (merged, _), _ = jax.lax.scan(hop, start, jnp.arange(1, shards))
   out_BTNH, lse_BKGT = merged[0].astype(q_BTNH.dtype), merged[1]
-  return (out_BTNH, lse_BKGT), (q_BTNH, k_BTKH, v_BTKH, positions_T, out_BTNH, lse_BKGT)
+  return (out_BTNH, lse_BKGT), (q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT, out_BTNH, lse_BKGT)
 
 
 def _ring_backward(block, saved, cotangents):
   """Ring attention's backward: each K/V block goes round again, carrying the gradients of its keys and
   values, to which every device adds its queries' share (flash attention's backward against this
   device's saved output and log-sum-exp); one last hop brings them home."""
-  q_BTNH, k_BTKH, v_BTKH, positions_T, out_BTNH, lse_BKGT = saved
+  q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT, out_BTNH, lse_BKGT = saved
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
   rows = (q_BTNH, positions_T, out_BTNH, lse_BKGT, *cotangents)
-  d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(block, rows, (k_BTKH, v_BTKH, positions_T))
+  d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(block, rows, (k_BTKH, v_BTKH, positions_T),
+                                                 _pair(segments_BT, segments_BT))
 
   def hop(carry, hop):
-    d_q_BTNH, kv_block = carry
-    kv_block = jax.lax.ppermute(kv_block, SEQUENCE, _next(shards))
-    d_q, d_k, d_v = _visit_gradients(rows, kv_block[:3], block, me < hop)
-    return (d_q_BTNH + d_q, (*kv_block[:3], kv_block[3] + d_k, kv_block[4] + d_v)), None
+    d_q_BTNH, (keys, k_segments_BT, d_k_BTKH, d_v_BTKH) = carry
+    keys, k_segments_BT, d_k_BTKH, d_v_BTKH = jax.lax.ppermute(
+        (keys, k_segments_BT, d_k_BTKH, d_v_BTKH), SEQUENCE, _next(shards))
+    d_q, d_k, d_v = _visit_gradients(rows, keys, segments_BT, k_segments_BT, block, me < hop)
+    return (d_q_BTNH + d_q, (keys, k_segments_BT, d_k_BTKH + d_k, d_v_BTKH + d_v)), None
 
-  start = (d_q_BTNH, (k_BTKH, v_BTKH, positions_T, d_k_BTKH, d_v_BTKH))
-  (d_q_BTNH, kv_block), _ = jax.lax.scan(hop, start, jnp.arange(1, shards))
-  d_k_BTKH, d_v_BTKH = jax.lax.ppermute(kv_block[3:], SEQUENCE, _next(shards))
-  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BTKH.astype(k_BTKH.dtype), d_v_BTKH.astype(v_BTKH.dtype), None)
+  start = (d_q_BTNH, ((k_BTKH, v_BTKH, positions_T), segments_BT, d_k_BTKH, d_v_BTKH))
+  (d_q_BTNH, (_, _, d_k_BTKH, d_v_BTKH)), _ = jax.lax.scan(hop, start, jnp.arange(1, shards))
+  d_k_BTKH, d_v_BTKH = jax.lax.ppermute((d_k_BTKH, d_v_BTKH), SEQUENCE, _next(shards))
+  return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BTKH.astype(k_BTKH.dtype), d_v_BTKH.astype(v_BTKH.dtype), None, None)
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)
@@ -131,7 +151,7 @@ def _next(shards: int):
   return [(i, (i + 1) % shards) for i in range(shards)]
 
 
-def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_later):
+def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, q_segments_BT, block, from_later):
   """One visiting K/V block's share of the zig-zag ring: half the scores of a full block, none masked out.
 
   Device i holds chunks i and 2S-1-i (halves 1 and 2 below); the visitor j holds j and 2S-1-j.
@@ -141,10 +161,13 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
   two quarter-blocks and skips the two that are fully masked.
   """
   half, _, take = _halves(q_BTNH, from_later)
+  packed = q_segments_BT is not None
   always = blockwise_attention(q_BTNH[:, half:], k_BTKH[:, :half], v_BTKH[:, :half], q_positions_T[half:],
-                               k_positions_T[:half], block)
+                               k_positions_T[:half], block,
+                               _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None)
   picked = blockwise_attention(take(q_BTNH), take(k_BTKH), take(v_BTKH), take(q_positions_T, 0),
-                               take(k_positions_T, 0), block)
+                               take(k_positions_T, 0), block,
+                               _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None)
   # A row that sees nothing: out 0 and the lowest log-sum-exp, so it weighs nothing in a merge.
   unseen = (picked[0] * 0, picked[1] * 0 + jnp.finfo(jnp.float32).min)
   pick = lambda use: jax.tree.map(lambda a, b: jnp.where(use, a, b), picked, unseen)
@@ -154,7 +177,7 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, q_positions_T, block, from_lat
           jnp.concatenate([first_lse, second_lse], axis=-1))
 
 
-def _visit_gradients(rows, kv_block, block, from_later):
+def _visit_gradients(rows, kv_block, q_segments_BT, k_segments_BT, block, from_later):
   """`_visit`'s two quarter-blocks differentiated: float32 (dQ, dK, dV) of this device's rows and the
   visitor's block."""
   half, start, take = _halves(rows[0], from_later)
@@ -162,10 +185,13 @@ def _visit_gradients(rows, kv_block, block, from_later):
   row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)
   part = lambda xs, axes, begin: [jax.lax.slice_in_dim(x, begin, begin + half, axis=a % x.ndim)
                                   for x, a in zip(xs, axes)]
+  packed = q_segments_BT is not None
   # Local half 2 against the visitor's half 1, always; the picked pair by the same dynamic slice as forward.
-  always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0))
+  always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0),
+                           _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None)
   picked = flash_gradients(block, [take(x, a) for x, a in zip(rows, row_axes)],
-                           [take(x, a) for x, a in zip(kv_block, kv_axes)])
+                           [take(x, a) for x, a in zip(kv_block, kv_axes)],
+                           _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None)
   add_picked = lambda whole, add: jax.lax.dynamic_update_slice_in_dim(
       whole, jax.lax.dynamic_slice_in_dim(whole, start, half, 1) + add, start, 1)
   zeros = lambda x: x.astype(jnp.float32) * 0  # from the inputs, so it keeps their varying axes
@@ -182,9 +208,11 @@ def _halves(q_BTNH, from_later):
   return half, start, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
 
 
-def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, block):
+def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
   to_heads = lambda x: jax.lax.all_to_all(x, SEQUENCE, split_axis=2, concat_axis=1, tiled=True)
-  positions_all = jax.lax.all_gather(positions_T, SEQUENCE, tiled=True)
+  positions_all = _gather(positions_T, 0)
+  # Every head of a row shares the row's segments: gathered whole, as the positions are.
+  segments_all = None if segments_BT is None else _gather(segments_BT, 1)
   out_BTnH, _ = blockwise_attention(to_heads(q_BTNH), to_heads(k_BTKH), to_heads(v_BTKH),
-                                       positions_all, positions_all, block)
+                                    positions_all, positions_all, block, _pair(segments_all, segments_all))
   return jax.lax.all_to_all(out_BTnH, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)

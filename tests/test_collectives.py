@@ -6,6 +6,7 @@ import jax
 
 from helpers import compiled_forward, tiny_config
 from measure import analysis
+from measure.dry_run import compile_partitioned_train_step
 from parallel.mesh import DATA, TENSOR
 from training.state import param_count, plan
 from training.step import compile_train_step
@@ -67,3 +68,17 @@ def test_fsdp_gathers_each_weight_where_it_is_used():
   assert analysis.count_by(found, kind="all-gather", axes=DATA, in_loop=False) == 4 + 1, table
   outside = {k: v for k, v in layout.param_shardings.items() if k != "blocks"}  # the layout agrees
   assert (sharded_over_data(layout.param_shardings["blocks"]), sharded_over_data(outside)) == (10, 4)
+
+
+def test_tensor_all_reduces_under_bfloat16_move_half_the_bytes_of_float32():
+  # Megatron's bf16 reductions: every activation all-reduce over `tensor` moves bfloat16, the embedding
+  # lookup's too; only the loss's per-token max, sum and target logit (and a few scalars) stay float32.
+  def tensor_bytes(dtype):
+    config = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2, "precision.compute": dtype})
+    layout = plan(config)
+    compiled, partitioned = compile_partitioned_train_step(layout, config)
+    traffic = analysis.traffic_per_step(analysis.collectives(compiled, layout.mesh, partitioned))
+    return sum(sent for (_, axes), sent in traffic.items() if axes == TENSOR)
+
+  ratio = tensor_bytes("bfloat16") / tensor_bytes("float32")
+  assert 0.49 < ratio < 0.51, ratio

@@ -62,10 +62,17 @@ def test_a_packed_document_equals_the_document_alone(family, block):
   assert_tree_close(jax.tree.leaves(together_grads), jax.tree.leaves(alone_grads), "gradient")
 
 
-def test_packed_training_matches_one_device_on_data_and_tensor():
-  packed = {"model.num_heads": 8, "model.document_end": END}
-  ref_loss, ref_grads = loss_and_gradients({**packed, "mesh.data": 1}, jax.devices()[:1])
-  loss, grads = loss_and_gradients({**packed, "mesh.data": 4, "mesh.tensor": 2}, jax.devices())
+PACKED = {"model.num_heads": 8, "model.document_end": END}
+
+
+@pytest.fixture(scope="module")
+def packed_on_one_device():
+  return loss_and_gradients({**PACKED, "mesh.data": 1}, jax.devices()[:1])
+
+
+def test_packed_training_matches_one_device_on_data_and_tensor(packed_on_one_device):
+  ref_loss, ref_grads = packed_on_one_device
+  loss, grads = loss_and_gradients({**PACKED, "mesh.data": 4, "mesh.tensor": 2}, jax.devices())
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, "gradient")
   # Packing changes the numbers: the built-in corpus's lines are documents.
@@ -73,9 +80,19 @@ def test_packed_training_matches_one_device_on_data_and_tensor():
   assert abs(unpacked_loss - ref_loss) > 1e-4
 
 
-def test_packing_on_a_sharded_sequence_is_refused_in_one_line():
-  with pytest.raises(ValueError, match=r"packed documents .* mesh.sequence=2"):
-    plan(tiny_config(**{"model.document_end": END, "mesh.sequence": 2, "mesh.data": 4}))
+@pytest.mark.parametrize("context", ["allgather", "ring", "ulysses"])
+def test_packed_training_matches_one_device_on_a_sharded_sequence(packed_on_one_device, context):
+  # Four shards of 8 tokens: documents cross shard boundaries, and the ring's zig-zag chunks are 4 tokens.
+  ref_loss, ref_grads = packed_on_one_device
+  loss, grads = loss_and_gradients(
+      {**PACKED, "mesh.data": 2, "mesh.sequence": 4, "attention.context": context}, jax.devices())
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+def test_packing_in_a_pipeline_is_refused_in_one_line():
+  with pytest.raises(ValueError, match=r"packed documents .* mesh.pipeline=2"):
+    plan(tiny_config(**{"model.document_end": END, "mesh.pipeline": 2, "mesh.data": 4}))
 
 
 def test_data_segments_ends_documents_at_the_tokenizers_end_of_text(tmp_path):
