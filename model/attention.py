@@ -38,12 +38,14 @@ def kernel(cfg: ModelConfig, backend: str) -> str:
   return "xla"
 
 
-def splash_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None) -> jax.Array:
   """Causal attention by the splash kernel (Pallas), for queries and keys that are one contiguous run.
 
   A Mosaic kernel is not partitioned automatically: the placement runs this
   per device (`Placement.per_device`) on its rows and heads. Off a TPU the kernel
   runs in Pallas' interpreter, which is how the CPU tests check its numbers.
+  With `segments_BT` (packed documents) the kernel's own segment ids keep each
+  query within its document.
   """
   t, heads, head_dim = q_BTNH.shape[1:]
   block = max((b for b in range(SPLASH_BLOCK, 4 * SPLASH_BLOCK + 1, SPLASH_BLOCK) if t % b == 0), default=t)
@@ -56,7 +58,10 @@ def splash_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
   heads_first = lambda x_BTXH: jnp.swapaxes(x_BTXH, 1, 2)
   q_BNTH = heads_first(q_BTNH * head_dim ** -0.5)
   k_BNTH, v_BNTH = (heads_first(jnp.repeat(x, group, axis=2)) for x in (k_BTKH, v_BTKH))
-  return heads_first(jax.vmap(mha)(q_BNTH, k_BNTH, v_BNTH))
+  if segments_BT is None:
+    return heads_first(jax.vmap(mha)(q_BNTH, k_BNTH, v_BNTH))
+  packed = lambda q, k, v, segments_T: mha(q, k, v, segment_ids=splash.SegmentIds(q=segments_T, kv=segments_T))
+  return heads_first(jax.vmap(packed)(q_BNTH, k_BNTH, v_BNTH, segments_BT))
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None, cache=None) -> jax.Array:
@@ -74,16 +79,16 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
     out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block)
   elif placement.attention is not None:
     out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block)
-  elif segments_BT is not None:  # parallel/checks.py keeps packing off the fused kernels
-    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
-                                      (segments_BT, segments_BT))
-  elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":
+  elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":  # parallel/checks.py keeps packing off it
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
   elif chosen == "splash":  # causal by index too
-    out_BTNH = placement.per_device(splash_attention, q_BTNH, k_BSKH, v_BSKH)
+    segments = () if segments_BT is None else (segments_BT,)
+    out_BTNH = placement.per_device(splash_attention, q_BTNH, k_BSKH, v_BSKH, *segments)
   else:
-    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block)
+    segments = None if segments_BT is None else (segments_BT, segments_BT)
+    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
+                                      segments)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 

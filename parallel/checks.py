@@ -29,12 +29,16 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
           "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
-  if model.document_end >= 0 and (shape[PIPELINE] > 1 or model.attention in ("cudnn", "splash")):
+  if model.document_end >= 0 and shape[PIPELINE] > 1:
     raise ValueError(
-        f"packed documents (data.segments, model.document_end={model.document_end}) are masked by "
-        f"model.attention=xla or auto without a pipeline, but this run has "
-        f"mesh.pipeline={shape[PIPELINE]}, model.attention={model.attention}; "
+        f"packed documents (data.segments, model.document_end={model.document_end}) are masked without a "
+        f"pipeline, but this run has mesh.pipeline={shape[PIPELINE]}; "
         "use data, tensor, sequence and expert parallelism with packing, or turn data.segments off.")
+  if model.document_end >= 0 and model.attention == "cudnn":
+    raise ValueError(
+        f"packed documents (data.segments, model.document_end={model.document_end}) cannot be masked by "
+        "model.attention=cudnn: JAX's cuDNN attention takes documents only as a dense T x T mask, which "
+        "undoes the fused kernel's linear memory; use model.attention=auto or xla with packing.")
   if model.num_experts:
     _divides("moe.experts", model.num_experts, "mesh.expert", shape[EXPERT])
     if shape[PIPELINE] > 1:
@@ -97,13 +101,15 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
 
 def attention_kernel(model: ModelConfig, shape: dict[str, int], platform: str) -> str:
   """model.attention made concrete for this mesh and platform: auto's choice (model/attention.py kernel)
-  for a whole, unpacked sequence outside a pipeline's stages (splash cannot run inside one), xla elsewhere."""
+  for a whole sequence, xla where that choice cannot run (splash inside a pipeline's stages, cuDNN on
+  packed documents) or the sequence is sharded."""
   if model.attention != "auto":
     return model.attention
-  if shape[SEQUENCE] > 1 or model.document_end >= 0:
+  if shape[SEQUENCE] > 1:
     return "xla"
   chosen = kernel(model, platform)
-  return "xla" if chosen == "splash" and shape[PIPELINE] > 1 else chosen
+  return "xla" if (chosen == "splash" and shape[PIPELINE] > 1) or (chosen == "cudnn" and model.document_end >= 0) \
+      else chosen
 
 
 def _check_splash(model: ModelConfig, shape: dict[str, int]) -> None:

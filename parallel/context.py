@@ -64,10 +64,12 @@ def per_device(mesh):
   """
   spec = P(BATCH_AXES, None, TENSOR)
 
-  def run(kernel, q_BTNH, k_BTKH, v_BTKH):
+  def run(kernel, q_BTNH, k_BTKH, v_BTKH, *per_row):
     # Pallas kernels do not state how their outputs vary over the manual axes: every one does, per device.
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names={*BATCH_AXES, TENSOR}, check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+    # Arrays after the heads' (packed documents' segment ids, [B, T]) follow the rows alone.
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec) + (P(BATCH_AXES),) * len(per_row),
+                         out_specs=spec, axis_names={*BATCH_AXES, TENSOR}, check_vma=False)(
+                             q_BTNH, k_BTKH, v_BTKH, *per_row)
 
   return run
 

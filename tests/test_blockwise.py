@@ -41,7 +41,8 @@ SPLASH = {"model.attention": "splash", "model.max_len": 128}
     ({"model.max_len": 128}, {}, "tpu", "splash"),
     ({"model.max_len": 128}, {"pipeline": 2}, "tpu", "xla"),  # splash's shard_map cannot nest in a stage
     ({"model.max_len": 128}, {"sequence": 2}, "tpu", "xla"),  # a context strategy attends
-    ({"model.max_len": 128, "model.document_end": 0}, {}, "tpu", "xla"),  # packed documents
+    ({"model.max_len": 128, "model.document_end": 0}, {}, "tpu", "splash"),  # with its segment ids
+    ({"precision.compute": "bfloat16", "model.document_end": 0}, {}, "gpu", "xla"),  # cuDNN has none here
     ({"precision.compute": "bfloat16"}, {"pipeline": 2}, "gpu", "cudnn"),
     (SPLASH, {}, "cpu", "splash"),  # asked for: Pallas' interpreter off a TPU
 ])
@@ -50,12 +51,14 @@ def test_a_plan_makes_auto_attention_concrete(overrides, shape, platform, expect
   assert attention_kernel(model_config(tiny_config(**overrides)), mesh, platform) == expected
 
 
-@pytest.mark.parametrize("mesh", [{"mesh.data": 1}, {"mesh.data": 4, "mesh.tensor": 2}])
-def test_splash_attention_equals_the_xla_kernel(mesh):
+@pytest.mark.parametrize("mesh, packed", [({"mesh.data": 1}, {}), ({"mesh.data": 4, "mesh.tensor": 2}, {}),
+                                          ({"mesh.data": 4, "mesh.tensor": 2}, {"model.document_end": 10})])
+def test_splash_attention_equals_the_xla_kernel(mesh, packed):
   # Off a TPU the splash kernel runs in Pallas' interpreter, per device through parallel/context.py per_device.
+  # Packed documents (the built-in corpus's lines, ended by a newline) go in as the kernel's segment ids.
   devices = jax.devices()[:1] if mesh["mesh.data"] == 1 else jax.devices()
-  ref_loss, ref_grads = loss_and_gradients({**mesh, **SPLASH, "model.attention": "xla"}, devices)
-  loss, grads = loss_and_gradients({**mesh, **SPLASH}, devices)
+  ref_loss, ref_grads = loss_and_gradients({**mesh, **SPLASH, **packed, "model.attention": "xla"}, devices)
+  loss, grads = loss_and_gradients({**mesh, **SPLASH, **packed}, devices)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, "gradient")
 
@@ -63,7 +66,7 @@ def test_splash_attention_equals_the_xla_kernel(mesh):
 @pytest.mark.parametrize("overrides, says", [
     ({**SPLASH, "mesh.data": 4, "mesh.pipeline": 2}, "cannot nest inside mesh.pipeline=2's stages"),
     ({"model.attention": "splash"}, "model.max_len=32 is not divisible by splash attention's 128-position tiles"),
-    ({**SPLASH, "model.document_end": 0}, "packed documents"),
+    ({"model.attention": "cudnn", "model.document_end": 0}, "cannot be masked by model.attention=cudnn"),
 ])
 def test_splash_where_it_cannot_run_is_refused_in_one_line(overrides, says):
   with pytest.raises(ValueError, match=re.escape(says)):
