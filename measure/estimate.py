@@ -442,8 +442,11 @@ def _gradients(config, mesh, weights, traffic):
   for w in weights:
     # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
     used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
-    fsdp = zero == 3 and axis in sharded_over(w, mesh, rules.weight_rules(3, axis))
-    scatter = axis in token_axes and axis in sharded_over(w, mesh, rules.optimizer_rules(zero, axis))
+    # ZeRO splits a weight over its axis only where the weight's own layout does not already (hybrid
+    # sharding's groups on `expert` hold a MoE model's experts whole, one set per device, as experts do).
+    zero_splits = lambda table: axis in sharded_over(w, mesh, table) - sharded_over(w, mesh, rules.weight_rules(0))
+    fsdp = zero == 3 and zero_splits(rules.weight_rules(3, axis))
+    scatter = axis in token_axes and zero_splits(rules.optimizer_rules(zero, axis))
     uses = 2 if tied and w.axes == ("vocab", "embed") and not (scatter or pipelined) else 1
     # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
     # Under a pipeline the weights outside the stages are also summed over `pipeline`.

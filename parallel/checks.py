@@ -45,10 +45,9 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(
           f"moe.experts={model.num_experts} with mesh.pipeline={shape[PIPELINE]}: the pipeline schedules "
           "do not carry the router's auxiliary losses yet; shard a MoE model over data, expert and tensor.")
-  if fsdp_group and (zero == 0 or model.num_experts):
-    raise ValueError(f"sharding.fsdp_group={fsdp_group} shards ZeRO's state within groups of a dense model, but "
-                     f"this run has sharding.zero={zero}, moe.experts={model.num_experts}; use zero=1 or 3 "
-                     "without experts, or fsdp_group=0.")
+  if fsdp_group and zero == 0:
+    raise ValueError(f"sharding.fsdp_group={fsdp_group} shards ZeRO's state within groups, but this run has "
+                     "sharding.zero=0; use zero=1 or 3, or fsdp_group=0.")
   if zero == 3:
     axis = EXPERT if fsdp_group else DATA
     _divides("model.embed_dim", model.embed_dim, f"mesh.{axis} (FSDP shards it)", shape[axis])

@@ -41,7 +41,9 @@ def hybrid_shape(shape: dict[str, int], fsdp_group: int) -> dict[str, int]:
   ZeRO then shards within each group (parallel/rules.py fsdp_axis) and `data`
   holds the replicas; `expert` lies inside `data`, so a group's devices are
   neighbours (one host's fast links) while replicas span hosts. The batch
-  splits over both, as always. Dense models only: `expert` is otherwise idle.
+  splits over both, as always. A mixture-of-experts model's experts split over the
+  groups too, each group a whole expert-parallel set (MaxText and torchtitan run
+  expert parallelism inside the FSDP group the same way); `expert` is otherwise idle.
   """
   if fsdp_group < 0:
     raise ValueError(f"sharding.fsdp_group={fsdp_group} is negative; use 0 (ZeRO over all of data) or a group size.")
@@ -49,7 +51,7 @@ def hybrid_shape(shape: dict[str, int], fsdp_group: int) -> dict[str, int]:
     return shape
   if shape[EXPERT] != 1:
     raise ValueError(f"sharding.fsdp_group={fsdp_group} runs the ZeRO groups on the expert axis, so mesh.expert "
-                     f"must be 1, got {shape[EXPERT]}; hybrid sharding is for dense models.")
+                     f"must be 1, got {shape[EXPERT]}; a MoE model's experts split over the groups, so leave mesh.expert at 1.")
   if shape[DATA] % fsdp_group:
     raise ValueError(f"mesh.data={shape[DATA]} does not split into groups of sharding.fsdp_group={fsdp_group} "
                      "devices; choose a group size that divides it.")

@@ -247,12 +247,14 @@ def test_a_loss_in_many_chunks_reduces_the_head_gradient_once():
                f"{key} over 16 loss chunks", COLLECTIVE_TOLERANCE)
 
 
-def test_hybrid_sharding_shards_within_groups_and_reduces_across_them():
+@pytest.mark.parametrize("experts", [0, 8])
+def test_hybrid_sharding_shards_within_groups_and_reduces_across_them(experts):
   # sharding.fsdp_group=4 on data=8: two replicas of 4-way ZeRO-3. Within a group (`expert`) the weights
   # are gathered and the gradients reduce-scattered; across the groups (`data`) each shard's gradient is
   # all-reduced. Only the weights outside the layers (tables, final norm) have their gradient all-reduced
-  # over all 8 devices and sliced, XLA's choice: 11% of the bytes.
-  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4})
+  # over all 8 devices and sliced, XLA's choice: 11% of the bytes. With experts, each group holds its
+  # experts split over its devices, neither gathered nor scattered: their gradients cross the groups only.
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4, "moe.experts": experts})
   layout = plan(config)
   assert dict(layout.mesh.shape)["data"] == 2 and dict(layout.mesh.shape)["expert"] == 4
   program, partitioned = compile_partitioned_train_step(layout, config)
@@ -261,6 +263,9 @@ def test_hybrid_sharding_shards_within_groups_and_reduces_across_them():
   for key in [("all-gather", "expert"), ("reduce-scatter", "expert"), ("all-reduce", "data")]:
     assert_close(textbook[key], sent[key], f"hsdp {key}", COLLECTIVE_TOLERANCE)
   assert sent[("all-reduce", "data+expert")] <= 0.15 * sum(sent.values())
+  if experts:
+    assert_close(textbook[("all-to-all", "expert")], sent[("all-to-all", "expert")], "hsdp experts' all-to-all",
+                 COLLECTIVE_TOLERANCE)
 
 
 def test_zero3_gathers_in_the_compute_dtype_by_hand():

@@ -176,6 +176,8 @@ EXPERT_LAYOUTS = {
     "expert=2 x tensor=2 x fsdp data=2": ("gpt2", {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2,
                                                    "sharding.zero": 3}),
     "llama every=2, expert=4 x tensor=2": ("llama", {"mesh.expert": 4, "mesh.tensor": 2, "mesh.data": 1}),
+    # Hybrid sharding: the groups on `expert` shard the experts as expert parallelism does, ZeRO-3 the rest.
+    "hsdp data=8 in groups of 4": ("gpt2", {"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4}),
     "llama expert=2 x sequence=2 ring x data=2": ("llama", {"mesh.expert": 2, "mesh.sequence": 2, "mesh.data": 2,
                                                             "attention.context": "ring"}),
 }

@@ -48,15 +48,14 @@ BAD = [
      r"model.vocab_size=256"),
     ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),
     ({"model.attention": "cudnn"}, r"model.attention='cudnn' needs an NVIDIA GPU, but this run's devices are cpu"),
-    ({"sharding.fsdp_group": 4, "mesh.data": 8}, r"sharding.fsdp_group=4 shards ZeRO's state within groups of a "
-     r"dense model, but this run has sharding.zero=0"),
+    ({"sharding.fsdp_group": 4, "mesh.data": 8}, r"sharding.fsdp_group=4 shards ZeRO's state within groups, but "
+     r"this run has sharding.zero=0"),
     ({"sharding.fsdp_group": 3, "sharding.zero": 3, "mesh.data": 8}, r"mesh.data=8 does not split into groups "
      r"of sharding.fsdp_group=3"),
     ({"sharding.fsdp_group": 2, "sharding.zero": 3, "mesh.data": 4, "mesh.expert": 2},
      r"sharding.fsdp_group=2 runs the ZeRO groups on the expert axis, so mesh.expert must be 1, got 2"),
-    ({"sharding.fsdp_group": 2, "sharding.zero": 1, "mesh.data": 8, "moe.experts": 4},
-     r"sharding.fsdp_group=2 shards ZeRO's state within groups of a dense model, but this run has "
-     r"sharding.zero=1, moe.experts=4"),
+    ({"sharding.fsdp_group": 4, "sharding.zero": 1, "mesh.data": 8, "moe.experts": 6},
+     r"moe.experts=6 is not divisible by mesh.expert=4"),
 ]
 
 
