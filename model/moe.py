@@ -27,7 +27,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, param, zeros
-from model.placement import constrain, current
+from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
 EXPERT_AXES = (None, "batch", None, "embed")  # tokens laid out per expert: (expert, batch, capacity, embed)
@@ -75,11 +75,13 @@ def route(logits_BTE, positions_T, cfg: ModelConfig):
   starts_BE = jnp.cumsum(counts_BE, axis=-1) - counts_BE
   place_BJ = jnp.argsort(sorted_BJ, axis=-1)  # each choice's place in the sorted list
   slot_BTK = place_BJ.reshape(b, t, k) - _per_choice(starts_BE, experts_BTK)
-  fraction_E = counts_BE.sum(0) / (b * t * k)  # f_i: share of the k B T choices that went to expert i
+  # The figures are of the whole batch, wherever it is split: a pipeline stage holds one shard of its rows.
+  whole = lambda x: shard_mean(x, "batch", "length")
+  fraction_E = whole(counts_BE.sum(0) / (b * t * k))  # f_i: share of the k B T choices that went to expert i
   stats = {
-      "moe_balance_loss": e * jnp.sum(fraction_E * probs_BTE.mean((0, 1))),  # = 1 when perfectly balanced
-      "moe_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
-      "moe_dropped": 1.0 - jnp.minimum(counts_BE, capacity(cfg, t)).sum() / (b * t * k),
+      "moe_balance_loss": e * jnp.sum(fraction_E * whole(probs_BTE.mean((0, 1)))),  # = 1 when perfectly balanced
+      "moe_z_loss": whole(jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))),
+      "moe_dropped": 1.0 - whole(jnp.minimum(counts_BE, capacity(cfg, t)).sum() / (b * t * k)),
       "expert_load": fraction_E,  # x k B T gives the token counts; 1/E each when balanced
   }
   return Routing(experts_BTK, weights_BTK, slot_BTK, sorted_BJ, starts_BE, counts_BE), stats

@@ -2,7 +2,9 @@
 
 The model never sees a mesh. It marks activations with logical names,
 `constrain(x, ("batch", "length", "embed"))`, asks `shard_count("batch")` how
-many shards an axis has, and reads the current Placement at the few points
+many shards an axis has, turns a statistic of the rows it holds into one of the
+whole batch with `shard_mean(x, "batch", "length")` (inside a pipeline stage
+it holds one shard of them), and reads the current Placement at the few points
 that need hand-written collectives: attention over a sharded `length` (ring,
 Ulysses), the experts of a mixture-of-experts layer (all-to-all over
 `expert`), and attention kernels the partitioner cannot split.
@@ -34,6 +36,11 @@ def _one_shard(logical_axis: str) -> int:
   return 1
 
 
+def _whole(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  del logical_axes
+  return x
+
+
 def _as_is(kernel: Callable, *arrays: jax.Array) -> jax.Array:
   return kernel(*arrays)
 
@@ -45,11 +52,14 @@ class Placement:
   resolve: Callable[[jax.Array, tuple], jax.Array] = _unconstrained
   # into how many shards a logical axis is split here
   count: Callable[[str], int] = _one_shard
+  # `mean(x, logical_axes)`: x, a mean over the part of those axes the model holds here, as the mean over all of
+  # them (averaged over their shards where it holds one: inside a map manual over them)
+  mean: Callable[[jax.Array, tuple], jax.Array] = _whole
   # attention over a sharded `length`, `attention(q, k, v, positions, block=...)`; None: a local kernel
   attention: Callable[..., jax.Array] | None = None
   # `experts(run, x_EBCD, weights)`: a MoE layer's `run(x_EBCD, *weights)` over sharded experts; None: locally
   experts: Callable[..., jax.Array] | None = None
-  # `per_device(kernel, q, k, v)`: a kernel the partitioner cannot split (Pallas), on each device's share
+  # `per_device(kernel, q, k, v, *per_row)`: a kernel the partitioner cannot split (Pallas), on each device's share
   per_device: Callable[..., jax.Array] = _as_is
   # logical axes an enclosing vmap's mapped axis already carries: `constrain` leaves them unsharded
   outside: frozenset = frozenset()
@@ -82,6 +92,11 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   """`x` sharded by its logical axis names, as the current placement resolves them."""
   placement = current()
   return placement.resolve(x, tuple(None if name in placement.outside else name for name in logical_axes))
+
+
+def shard_mean(x: jax.Array, *logical_axes: str) -> jax.Array:
+  """`x`, a mean over the part of `logical_axes` held here, as the mean over all of them (x itself on one device)."""
+  return current().mean(x, logical_axes)
 
 
 def shard_count(logical_axis: str) -> int:

@@ -41,10 +41,6 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
         "undoes the fused kernel's linear memory; use model.attention=auto or xla with packing.")
   if model.num_experts:
     _divides("moe.experts", model.num_experts, "mesh.expert", shape[EXPERT])
-    if shape[PIPELINE] > 1:
-      raise ValueError(
-          f"moe.experts={model.num_experts} with mesh.pipeline={shape[PIPELINE]}: the pipeline schedules "
-          "do not carry the router's auxiliary losses yet; shard a MoE model over data, expert and tensor.")
   if fsdp_group and zero == 0:
     raise ValueError(f"sharding.fsdp_group={fsdp_group} shards ZeRO's state within groups, but this run has "
                      "sharding.zero=0; use zero=1 or 3, or fsdp_group=0.")
@@ -73,11 +69,14 @@ def _divides(what: str, value: int, axis: str, size: int) -> None:
 def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: int, pipeline) -> None:
   schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages
   chunks = stages * (virtual if schedule == "interleaved" else 1)
-  if model.num_layers % chunks:
+  # A chunk holds whole scanned units: single blocks, or a MoE model's groups of moe.every blocks.
+  if model.num_units % chunks:
     raise ValueError(
-        f"model.num_layers={model.num_layers} does not split into mesh.pipeline={stages}"
+        f"model.num_layers={model.num_layers}"
+        + (f" in groups of moe.every={model.moe_every}" if model.layers_per_unit > 1 else "")
+        + f" does not split into mesh.pipeline={stages}"
         + (f" x pipeline.virtual_stages={virtual}" if schedule == "interleaved" else "")
-        + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks}.")
+        + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks * model.layers_per_unit}.")
   if micro < 1 or batch % (micro * data_parallel):
     raise ValueError(
         f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "
@@ -88,10 +87,6 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
         f"{schedule} runs the head on 1/{stages} of each data-parallel shard's rows, but the shard's "
         f"{batch // data_parallel} sequences do not split over mesh.pipeline={stages}; use a batch that "
         f"is a multiple of {stages * data_parallel} (per grad_accum micro-batch).")
-  if schedule == "1f1b" and model.compute_dtype == "float16":
-    raise ValueError(
-        "pipeline.schedule=1f1b differentiates stage by stage and does not scale the loss, which "
-        "precision.compute=float16 needs; use gpipe or interleaved, or bfloat16.")
   if schedule == "1f1b" and micro < stages:
     raise ValueError(
         f"pipeline.schedule=1f1b needs at least as many micro-batches as stages, got "

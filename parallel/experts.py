@@ -18,6 +18,11 @@ The map is manual over `data` too, each device's rows local: left to GSPMD,
 an all-to-all along a dimension also split over `data` first gathers it over
 `data`. The expert weights enter replicated over `data`, which under FSDP is
 the all-gather of its weights that FSDP performs anyway.
+
+A pipeline stage already runs in a map manual over `expert` and `data`
+(parallel/pipeline.py), where no map over them can nest: there the experts
+run `exchange`, the same two all-to-alls, on weights that entered the
+pipeline's map split over `expert`.
 """
 
 import jax
@@ -34,12 +39,16 @@ def strategy(mesh):
   """The function MoE layers call to run `experts(x_EBCD, *weights)` over the `expert` axis (model/placement.py)."""
 
   def run(experts, x_EBCD, weights):
-    def dispatch_compute_combine(x_EBCD, *local_weights):
-      x_eBCD = jax.lax.all_to_all(x_EBCD, EXPERT, split_axis=0, concat_axis=1, tiled=True)
-      y_eBCD = experts(x_eBCD, *local_weights)
-      return jax.lax.all_to_all(y_eBCD, EXPERT, split_axis=1, concat_axis=0, tiled=True)
-
-    return jax.shard_map(dispatch_compute_combine, mesh=mesh, in_specs=(_TOKENS,) + (_WEIGHTS,) * len(weights),
-                         out_specs=_TOKENS, axis_names=set(BATCH_AXES))(x_EBCD, *weights)
+    return jax.shard_map(lambda x_EBCD, *local_weights: exchange(experts, x_EBCD, local_weights), mesh=mesh,
+                         in_specs=(_TOKENS,) + (_WEIGHTS,) * len(weights), out_specs=_TOKENS,
+                         axis_names=set(BATCH_AXES))(x_EBCD, *weights)
 
   return run
+
+
+def exchange(experts, x_EBCD, local_weights):
+  """Inside a map manual over `expert`: this device's tokens to their experts' devices, each device's E/X experts
+  (`local_weights`) on what it receives, and the outputs back."""
+  x_eBCD = jax.lax.all_to_all(x_EBCD, EXPERT, split_axis=0, concat_axis=1, tiled=True)
+  y_eBCD = experts(x_eBCD, *local_weights)
+  return jax.lax.all_to_all(y_eBCD, EXPERT, split_axis=1, concat_axis=0, tiled=True)

@@ -23,10 +23,25 @@ map gathered, once per step).
 - 1f1b computes its own gradients: each tick every stage has one forward and
   one backward slot, run under `lax.cond` so idle slots cost nothing, and
   each micro-batch is turned round as it leaves the last stage (head, loss
-  and its gradient), every stage running the head on 1/P of its tokens. The forward slot stashes the residuals of the stage's `jax.vjp`
-  (what the remat policy keeps) and the backward slot applies them, so nothing
-  is recomputed beyond the policy; a stage holds at most min(M, 2P - 1)
-  micro-batches' residuals. Gradients accumulate inside the slots that make them.
+  and its gradient), every stage running the head on 1/P of its tokens. The
+  forward slot stashes the residuals of the stage's `jax.vjp` (what the remat
+  policy keeps) and the backward slot applies them, so nothing is recomputed
+  beyond the policy; a stage holds at most min(M, 2P - 1) micro-batches'
+  residuals. Gradients accumulate inside the slots that make them. The head
+  differentiates the loss times float16's loss scale, so the scale reaches
+  every gradient through the cotangents the slots pass on.
+
+A mixture-of-experts model pipelines as grad_accum accumulates: each
+micro-batch is routed, balanced and dropped on its own, its router figures
+(model/moe.py `route`) those of all its rows over the batch's devices (the
+placement averages them over the map's manual batch axes), and the step's
+objective and figures are the means over the micro-batches of each one's
+cross-entropy plus auxiliary losses. A pipeline of M micro-batches therefore
+computes what one device computes with grad_accum=M. Each busy tick adds
+its stage's auxiliary loss to the objective it differentiates (1F1B hands the
+stage's vjp its cotangent with the output's); the experts exchange their
+tokens inside the stage (parallel/experts.py `exchange`), the expert weights
+entering the map split over `expert`.
 """
 
 import functools
@@ -35,54 +50,67 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.interpreters import partial_eval as pe  # which residuals depend on a stage's input
 from jax.sharding import PartitionSpec as P
 
+from model.moe import AUX_LOSS
+from model.placement import placed
 from model.transformer import STACKED
-from parallel import microbatch, schedules
-from parallel.mesh import DATA, PIPELINE
+from parallel import microbatch, placement, schedules
+from parallel.mesh import PIPELINE
 from parallel.rules import BATCH_AXES, as_entry, entry_axes
 
 MANUAL = (PIPELINE, *BATCH_AXES)
 
 
 def loss_and_grads(layout, params, batch, scale=None):
-  """(mean loss, gradients of `scale` x loss) under the layout's schedule, each gradient laid out as its weight."""
+  """((objective, statistics), gradients of `scale` x objective) under the layout's schedule, each gradient laid
+  out as its weight: training/step.py's objective and statistics, each the mean over the micro-batches."""
   grad_specs = jax.tree.map(_manual, layout.param_shardings)
   schedule = _one_f_one_b if layout.schedule == "1f1b" else _circular
   virtual = layout.virtual_stages if layout.schedule == "interleaved" else 1
   stages = layout.mesh.shape[PIPELINE]
 
   def body(params, inputs_BT, targets_BT, scale):
-    loss, grads = schedule(layout, jax.tree.map(_varying, params), inputs_BT, targets_BT, scale)
-    return jax.lax.psum(loss, MANUAL), jax.tree.map(_reduce, grads, grad_specs)
+    with placed(placement.for_stages(layout)):
+      cross_entropy, figures, grads = schedule(layout, jax.tree.map(_varying, params), inputs_BT, targets_BT, scale)
+    cross_entropy, figures = jax.lax.psum((cross_entropy, figures), MANUAL)
+    stats = {"cross_entropy": cross_entropy, **_step_figures(figures, layout.microbatches, stages * virtual)}
+    return (cross_entropy + stats.get(AUX_LOSS, 0.0), stats), jax.tree.map(_reduce, grads, grad_specs, weight_specs)
 
-  # Stage weights whole over `data` (ZeRO-3 gathers them here, once per step), the rest whole everywhere.
-  weight_specs = {k: jax.tree.map(lambda _: P(PIPELINE) if k == STACKED else P(), v) for k, v in params.items()}
+  # Weights enter as the step uses them, without ZeRO's split (ZeRO-3 gathers them here, once per step, over
+  # `data` or hybrid sharding's groups): split over `pipeline` (the stage weights) and over `expert` (a MoE
+  # model's expert weights: each device runs its own experts).
+  weight_specs = jax.tree.map(_manual, layout.used_shardings)
   params = {**params, STACKED: _stage_major(params[STACKED], virtual, stages)}
   scale = jnp.ones((), jnp.float32) if scale is None else scale
-  loss, grads = jax.shard_map(body, mesh=layout.mesh, in_specs=(weight_specs, P(BATCH_AXES), P(BATCH_AXES), P()),
-                              out_specs=(P(), grad_specs), axis_names=set(MANUAL))(
-                                  params, batch["inputs"], batch["targets"], scale)
-  return loss, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
+  loss_stats, grads = jax.shard_map(
+      body, mesh=layout.mesh, in_specs=(weight_specs, P(BATCH_AXES), P(BATCH_AXES), P()),
+      out_specs=(P(), grad_specs), axis_names=set(MANUAL))(params, batch["inputs"], batch["targets"], scale)
+  return loss_stats, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
 
 
-def _manual(sharding):
-  """The part of a weight's sharding over the map's manual axes: how its gradient leaves the map."""
-  return P(*(as_entry(tuple(a for a in entry_axes(entry) if a in MANUAL)) for entry in sharding.spec))
+def _manual(sharding, axes=MANUAL):
+  """The part of a weight's sharding over `axes`; over all the map's manual axes, how its gradient leaves the map."""
+  return P(*(as_entry(tuple(a for a in entry_axes(entry) if a in axes)) for entry in sharding.spec))
 
 
-def _varying(x):
-  """`x` marked as differing between devices over every manual axis (its gradient then stays local)."""
-  same = tuple(a for a in MANUAL if a not in jax.typeof(x).mat.varying)
+def _varying(x, axes=MANUAL):
+  """`x` marked as differing between devices over `axes`, by default every manual axis (its gradient then
+  stays local)."""
+  same = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
   return jax.lax.pcast(x, same, to="varying") if same else x
 
 
-def _reduce(grad, spec):
-  """One device's gradient summed over the devices that share its weight: scattered over `data` where
-  the weight is split over it (ZeRO-3), summed over every other manual axis it is not split over."""
+def _reduce(grad, spec, entered):
+  """One device's gradient summed over the devices that share its weight: scattered over the axes its
+  parameter is split over but the weight entered the map whole over (ZeRO-3's), summed over every other
+  manual axis it is not split over."""
+  held = {a for entry in entered for a in entry_axes(entry)}
+  for dimension, entry in enumerate(spec):
+    if scattered := tuple(a for a in entry_axes(entry) if a not in held):
+      grad = jax.lax.psum_scatter(grad, scattered, scatter_dimension=dimension, tiled=True)
   split = {a for entry in spec for a in entry_axes(entry)}
-  if DATA in split:
-    grad = jax.lax.psum_scatter(grad, DATA, scatter_dimension=tuple(spec).index(DATA), tiled=True)
   summed = tuple(a for a in MANUAL if a not in split)
   return jax.lax.psum(grad, summed) if summed else grad
 
@@ -99,7 +127,23 @@ def _stage_major(blocks, outer: int, inner: int):
 
 
 def _run_stage(layout, params, blocks, x_bTD):
-  return nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD)[0]
+  """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
+  micro-batch's, the same on each of the stage's batch shards, so each holds 1/shards of it: summed over
+  the devices like the loss's shares, it counts once."""
+  y_bTD, figures = nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD)
+  return y_bTD, {key: _varying(value) / _shards(layout) for key, value in figures.items()}
+
+
+def _step_figures(totals, micro: int, chunks: int):
+  """The step's router figures from their sums over every (micro-batch, chunk of layers): a figure is the stack's
+  mean over its layers (model/moe.py `summarize`), of which the equal chunks hold equal shares, the auxiliary
+  loss the sum of theirs; and the step's is the mean over micro-batches, as grad_accum's."""
+  return {key: total / (micro if key == AUX_LOSS else micro * chunks) for key, total in totals.items()}
+
+
+def _zeros(tree):
+  """Zeros shaped as `tree`'s leaves (arrays or shapes), varying over every manual axis."""
+  return jax.tree.map(lambda x: _varying(jnp.zeros(x.shape, x.dtype)), tree)
 
 
 def _shards(layout) -> int:
@@ -107,7 +151,8 @@ def _shards(layout) -> int:
 
 
 def _circular(layout, params, inputs_BT, targets_BT, scale):
-  """This device's share of the loss and its gradients, the blocks run by the gpipe / interleaved schedule."""
+  """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
+  objective, the blocks run by the gpipe / interleaved schedule."""
   stages, virtual, micro = layout.mesh.shape[PIPELINE], layout.virtual_stages, layout.microbatches
   virtual = virtual if layout.schedule == "interleaved" else 1
   ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
@@ -130,22 +175,27 @@ def _circular(layout, params, inputs_BT, targets_BT, scale):
           lambda w: jax.lax.dynamic_slice_in_dim(w, (s // stages) * chunk_layers, chunk_layers),
           params[STACKED])
       # A bubble tick does no work: the stage runs under lax.cond, and so does its backward pass.
-      y_bTD = jax.lax.cond(valid, lambda x: _run_stage(layout, params, chunk, x), jnp.zeros_like, x_bTD)
-      return jax.lax.ppermute(y_bTD, PIPELINE, ring), y_bTD
+      run = functools.partial(_run_stage, layout, params, chunk)
+      y_bTD, figures = jax.lax.cond(valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
+      return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
-    _, y_tbTD = jax.lax.scan(tick, _varying(jnp.zeros_like(x_MbTD[0])), jnp.arange(ticks))
+    _, (y_tbTD, figures_tX) = jax.lax.scan(tick, _varying(jnp.zeros_like(x_MbTD[0])), jnp.arange(ticks))
+    figures = jax.tree.map(lambda f_tX: f_tX.sum(0), figures_tX)
     # The last virtual stage lives on the last device: it sends each stage 1/P of its outputs' rows.
     y_PrTD = y_tbTD[out_ticks].reshape(stages, -1, *x_MbTD.shape[2:])
     y_rTD = jax.lax.all_to_all(y_PrTD, PIPELINE, 0, 0)[stages - 1]
-    loss = model.head_loss(y_rTD, targets_PrT[stage]) / (stages * _shards(layout))
-    return scale * loss, loss
+    cross_entropy = model.head_loss(y_rTD, targets_PrT[stage]) / (stages * _shards(layout))
+    # Each busy tick's auxiliary loss, 1/M of it: the objective is the mean over the micro-batches.
+    objective = cross_entropy + figures.get(AUX_LOSS, 0.0) / micro
+    return scale * objective, (cross_entropy, figures)
 
-  (_, loss), grads = jax.value_and_grad(share, has_aux=True)(params)
-  return loss, grads
+  (_, (cross_entropy, figures)), grads = jax.value_and_grad(share, has_aux=True)(params)
+  return cross_entropy, figures, grads
 
 
 def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
-  """This device's share of the loss and its gradients by the 1F1B schedule, which runs the backward itself."""
+  """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
+  objective, by the 1F1B schedule, which runs the backward itself."""
   stages, micro = layout.mesh.shape[PIPELINE], layout.microbatches
   ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
   slots = schedules.stash_slots(stages=stages, micro=micro)
@@ -158,6 +208,12 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   shared = {k: v for k, v in params.items() if k != STACKED}  # embedding, head, final norm
   run_stage = functools.partial(_run_stage, layout, shared)
 
+  def differentiated(blocks, x_bTD):
+    """((the stage's output, its auxiliary loss; None when dense), the figures): the objective differentiates
+    the first two, the rest are only logged."""
+    y_bTD, figures = run_stage(blocks, x_bTD)
+    return (y_bTD, figures.get(AUX_LOSS)), figures
+
   def embed(shared):
     return split(nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).embed_tokens(inputs_BT))
 
@@ -169,27 +225,32 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   x_MbTD, embed_vjp = jax.vjp(embed, shared)
   # Every stage runs the head on 1/P of each micro-batch's tokens: this stage's share of the targets.
   targets_MPt = split(targets_BT).reshape(micro, stages, 1, -1)
+  idle_bTD, idle_figures = _zeros(jax.eval_shape(run_stage, blocks, x_MbTD[0]))
+  # The cotangent of the stage's auxiliary loss: the objective adds 1/M of each micro-batch's (the step's is
+  # the mean over micro-batches).
+  d_aux = jax.tree.map(lambda zero: zero + scale / micro, idle_figures.get(AUX_LOSS))
 
-  # The stage's vjp is a pytree of residual arrays. Those that carry the micro-batch's rows are stashed
-  # from the forward slot for the backward slot; the rest (the weights, their casts to the compute
-  # dtype, masks) depend on the weights alone, so they are made once here and shared by every slot.
-  # A residual carries the rows exactly when its shape follows the micro-batch's: nothing in a
-  # stage's forward pass reduces over the batch.
-  residuals = lambda x_bTD: jax.tree.leaves(jax.vjp(run_stage, blocks, x_bTD)[1])
-  per_rows = [one.shape != two.shape for one, two in zip(
-      jax.eval_shape(residuals, x_MbTD[0]), jax.eval_shape(residuals, jnp.concatenate([x_MbTD[0]] * 2)))]
-  _, weights_vjp = jax.vjp(run_stage, blocks, x_MbTD[0])
+  # The stage's vjp is a pytree of residual arrays. Those that depend on the micro-batch (its rows'
+  # activations; the router's statistics of all its rows) are stashed from the forward slot for the
+  # backward slot; the rest (the weights, their casts to the compute dtype, masks) depend on the weights
+  # alone, so they are made once here and shared by every slot. Which are which is the traced vjp's data
+  # dependence on the stage's input: the residuals JAX's partial evaluation leaves unknown without it.
+  residuals = lambda blocks, x_bTD: jax.tree.leaves(jax.vjp(differentiated, blocks, x_bTD, has_aux=True)[1])
+  per_micro = pe.partial_eval_jaxpr_nounits(
+      jax.make_jaxpr(residuals)(blocks, x_MbTD[0]), [False] * len(jax.tree.leaves(blocks)) + [True],
+      instantiate=False)[2]
+  _, weights_vjp, _ = jax.vjp(differentiated, blocks, x_MbTD[0], has_aux=True)
   fixed, treedef = jax.tree.flatten(weights_vjp)
 
   def forward(x_bTD, stash, f):
-    y_bTD, stage_vjp = jax.vjp(run_stage, blocks, x_bTD)
-    saved = [r for r, rows in zip(jax.tree.leaves(stage_vjp), per_rows) if rows]
-    return y_bTD, [s.at[f % slots].set(r) for s, r in zip(stash, saved)]
+    (y_bTD, _), stage_vjp, figures = jax.vjp(differentiated, blocks, x_bTD, has_aux=True)
+    saved = [r for r, mine in zip(jax.tree.leaves(stage_vjp), per_micro) if mine]
+    return y_bTD, figures, [s.at[f % slots].set(r) for s, r in zip(stash, saved)]
 
   def backward(block_grads, stash, b, d_out_bTD):
     saved = iter([s[b % slots] for s in stash])
-    stage_vjp = jax.tree.unflatten(treedef, [next(saved) if rows else r for r, rows in zip(fixed, per_rows)])
-    d_blocks, d_x_bTD = stage_vjp(d_out_bTD)
+    stage_vjp = jax.tree.unflatten(treedef, [next(saved) if mine else r for r, mine in zip(fixed, per_micro)])
+    d_blocks, d_x_bTD = stage_vjp((d_out_bTD, d_aux))
     return jax.tree.map(jnp.add, block_grads, d_blocks), d_x_bTD
 
   def turn_round(loss, shared_grads, y_1tD, targets_1t):
@@ -198,13 +259,14 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
     return loss + f_loss, jax.tree.map(jnp.add, shared_grads, head_grads), d_y_1tD
 
   def tick(carry, t):
-    incoming_bTD, cotangent_bTD, stash, loss, shared_grads, block_grads, d_x_MbTD = carry
+    incoming_bTD, cotangent_bTD, stash, loss, figures, shared_grads, block_grads, d_x_MbTD = carry
     f, f_ok, b, b_ok = schedules.one_f_one_b_slots(t, stage, stages=stages, micro=micro)
     # Each slot runs under lax.cond, so a stage with nothing to do in it does no work, and each adds
     # what it makes to the carry in place. Forward slot: micro-batch f through this stage.
     x_bTD = jnp.where(stage == 0, x_MbTD[jnp.clip(f, 0, micro - 1)], incoming_bTD)
-    y_bTD, stash = jax.lax.cond(
-        f_ok, forward, lambda x, stash, _: (_varying(jnp.zeros_like(x)), stash), x_bTD, stash, f)
+    y_bTD, f_figures, stash = jax.lax.cond(
+        f_ok, forward, lambda _, stash, __: (idle_bTD, idle_figures, stash), x_bTD, stash, f)
+    figures = jax.tree.map(jnp.add, figures, f_figures)
     # Micro-batch `done` leaves the last stage and is turned round at once (head, loss and its
     # gradient), the head shared by every stage: an all-to-all hands each 1/P of its tokens, and
     # their gradients come back to the last stage by the transposed all-to-all.
@@ -223,13 +285,15 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
     d_x_MbTD = jnp.where(b_ok & (stage == 0), d_x_MbTD.at[jnp.clip(b, 0, micro - 1)].set(d_x_bTD), d_x_MbTD)
     incoming_bTD = jax.lax.ppermute(y_bTD, PIPELINE, forward_pairs)
     cotangent_bTD = jax.lax.ppermute(d_x_bTD, PIPELINE, backward_pairs)
-    return (incoming_bTD, cotangent_bTD, stash, loss, shared_grads, block_grads, d_x_MbTD), None
+    return (incoming_bTD, cotangent_bTD, stash, loss, figures, shared_grads, block_grads, d_x_MbTD), None
 
-  zeros = lambda tree: jax.tree.map(lambda x: _varying(jnp.zeros_like(x)), tree)
-  stash = [jnp.zeros((slots, *r.shape), r.dtype) for r, rows in zip(fixed, per_rows) if rows]
-  start = (zeros(x_MbTD[0]), zeros(x_MbTD[0]), zeros(stash), zeros(scale), zeros(shared), zeros(blocks),
-           zeros(x_MbTD))
-  (_, _, _, loss, shared_grads, block_grads, d_x_MbTD), _ = jax.lax.scan(tick, start, jnp.arange(ticks))
+  # Each stash slot as its residual varies: the router's statistics of the micro-batch's rows are the same
+  # on every batch shard.
+  stash = [_varying(jnp.zeros((slots, *r.shape), r.dtype), jax.typeof(r).mat.varying)
+           for r, mine in zip(fixed, per_micro) if mine]
+  start = (idle_bTD, idle_bTD, stash, _zeros(scale), idle_figures, _zeros(shared), _zeros(blocks),
+           _zeros(x_MbTD))
+  (_, _, _, loss, figures, shared_grads, block_grads, d_x_MbTD), _ = jax.lax.scan(tick, start, jnp.arange(ticks))
   # The input gradients are on the first stage (zeros elsewhere), which alone adds to the embedding's.
   (embed_grads,) = embed_vjp(d_x_MbTD)
-  return loss, {**jax.tree.map(jnp.add, shared_grads, embed_grads), STACKED: block_grads}
+  return loss, figures, {**jax.tree.map(jnp.add, shared_grads, embed_grads), STACKED: block_grads}

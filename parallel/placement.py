@@ -23,6 +23,13 @@ def for_layout(layout) -> Placement:
       per_device=context.per_device(mesh))
 
 
+def for_stages(layout) -> Placement:
+  """A pipeline stage's, inside the pipeline's map manual over `pipeline` and the batch's axes: for_layout's,
+  the experts exchanging their tokens by all-to-all in that map rather than in a map of their own."""
+  outer = for_layout(layout)
+  return dataclasses.replace(outer, experts=experts.exchange if outer.experts else None)
+
+
 def for_decoding(layout) -> Placement:
   """Decoding's: activations pinned by DECODE_RULES, and nothing else (attention reads the cache)."""
   return _pinned(layout.mesh, DECODE_RULES)
@@ -31,4 +38,5 @@ def for_decoding(layout) -> Placement:
 def _pinned(mesh, table) -> Placement:
   """Activations pinned to `mesh` by the rules `table`, everything else local."""
   return Placement(resolve=lambda x, logical_axes: rules.constrain(x, mesh, logical_axes, table),
-                   count=lambda logical_axis: rules.shard_count(mesh, logical_axis, table))
+                   count=lambda logical_axis: rules.shard_count(mesh, logical_axis, table),
+                   mean=lambda x, logical_axes: rules.shard_mean(x, logical_axes, table))

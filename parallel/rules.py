@@ -91,6 +91,14 @@ def shard_count(mesh, logical_axis: str, rules=ACTIVATION_RULES) -> int:
   return math.prod(mesh.shape[a] for a in entry_axes(entry) if a not in manual)
 
 
+def shard_mean(x, logical_axes, rules=ACTIVATION_RULES):
+  """`x`, a mean over one shard of `logical_axes`, as the mean over all of them: averaged over the shards a
+  shard_map being traced splits off (its manual axes; each shard holds as many rows), x itself outside one."""
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  axes = tuple(a for entry in spec(logical_axes, rules) for a in entry_axes(entry) if a in manual)
+  return jax.lax.pmean(x, axes) if axes else x
+
+
 def constrain(x, mesh, logical_axes, rules=ACTIVATION_RULES):
   """`x` pinned to the sharding its logical axes ask for, on the mesh being traced.
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import (BF16_LOSS_RTOL, STEPS, assert_bf16_gradients_close, assert_params_close, assert_tree_close,
+from helpers import (BF16_LOSS_RTOL, STEPS, assert_half_gradients_close, assert_params_close, assert_tree_close,
                      loss_and_gradients, run_layout)
 
 LAYOUTS = {
@@ -57,4 +57,4 @@ def test_bf16_fsdp_tensor_layout_matches_single_device_bf16(bf16_reference):
   loss, grads = loss_and_gradients({**LAYOUTS["fsdp data=4 x tensor=2"], "precision.compute": "bfloat16"},
                                    jax.devices())
   np.testing.assert_allclose(loss, bf16_reference[0], rtol=BF16_LOSS_RTOL)
-  assert_bf16_gradients_close(grads, bf16_reference[1], "bfloat16 gradient")
+  assert_half_gradients_close(grads, bf16_reference[1], "bfloat16 gradient")

@@ -8,18 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_tree_close, compiled_forward, read_metrics, setup, tiny_config
+from helpers import assert_tree_close, compiled_forward, objective_and_gradients, read_metrics, setup, tiny_config
 from model.config import ModelConfig
 import moe_reference
 from measure import analysis
 from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
-from model.placement import placed
-from parallel import placement
 from parallel.mesh import DATA, EXPERT
 from run.loop import train
 from tools import moe_memory
 from training.state import active_param_count, param_count, plan
-from training.step import compile_train_step, loss_and_grads
+from training.step import compile_train_step
 
 # Capacity 1.0 on the tiny model drops about a fifth of the choices, so the layouts must agree on drops too.
 GPT2_MOE = {"moe.experts": 8, "moe.top_k": 2, "moe.capacity_factor": 1.0}
@@ -155,12 +153,7 @@ def test_router_figures_match_a_hand_count_of_the_top_k_choices():
 def router_run(overrides, devices):
   """Objective, router statistics and gradients, traced as the train step traces them."""
   _, layout, state, batch = setup(overrides, devices)
-
-  def run(params, batch):
-    with placed(placement.for_layout(layout)):
-      return loss_and_grads(layout, params, batch, 1)
-
-  return jax.device_get(jax.jit(run)(state["params"], batch))
+  return jax.device_get(objective_and_gradients(layout)(state["params"], batch))
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +282,8 @@ def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
     ({"moe.experts": 4, "moe.top_k": 5}, "moe.top_k=5 must be between 1 and moe.experts=4"),
     ({"moe.experts": 4, "moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be positive"),
     ({"moe.experts": 4, "moe.every": 3}, "moe.every=3 does not divide model.num_layers=2"),
-    ({"moe.experts": 4, "mesh.pipeline": 2, "mesh.data": 4}, "moe.experts=4 with mesh.pipeline=2"),
+    ({"moe.experts": 4, "moe.every": 2, "mesh.pipeline": 2, "mesh.data": 4},
+     "model.num_layers=2 in groups of moe.every=2 does not split into mesh.pipeline=2"),
     ({"moe.experts": 4, "moe.dropless": True, "precision.compute": "float8"},
      "moe.dropless=True with precision.compute=float8"),
 ])

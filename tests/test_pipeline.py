@@ -1,13 +1,17 @@
-"""Pipeline schedules compute the unpipelined numbers, run the tables they print, and 1F1B saves memory."""
+"""Pipeline schedules compute the unpipelined numbers (dense and MoE, float32 to float16), run the tables they
+print, and 1F1B saves memory."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (BF16_LOSS_RTOL, ROOT, STEPS, assert_bf16_gradients_close, assert_params_close,
-                     assert_tree_close, loss_and_gradients, run_layout, tiny_config)
+from helpers import (BF16_LOSS_RTOL, FP16_GRADIENT_TOLERANCES, FP16_LOSS_RTOL, ROOT, STEPS,
+                     assert_half_gradients_close, assert_params_close, assert_tree_close, loss_and_gradients,
+                     objective_and_gradients, run_layout, setup, tiny_config)
 from measure import analysis
 from parallel import schedules
+from parallel.mesh import EXPERT
 from tools import pipeline_bubble
 from training.state import plan
 from training.step import compile_train_step
@@ -48,11 +52,13 @@ def test_3d_parallel_1f1b_step_matches_unpipelined(reference):
 SHALLOW = {"model.num_layers": 2, "pipeline.microbatches": 2}
 
 
-def test_pipeline_with_fsdp_and_grad_accumulation_matches_single_device():
-  # ZeRO-3 shards the stage weights and their moments over data; each of 2 accumulated micro-batches runs
-  # the whole schedule. The parameters after STEPS steps see both.
-  combined = {**SHALLOW, "mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2, "sharding.zero": 3,
-              "grad_accum": 2}
+@pytest.mark.parametrize("sharding", [{"mesh.data": 2, "mesh.tensor": 2}, {"mesh.data": 4, "sharding.fsdp_group": 2}],
+                         ids=["fsdp x tensor", "hybrid fsdp"])
+def test_pipeline_with_fsdp_and_grad_accumulation_matches_single_device(sharding):
+  # ZeRO-3 shards the stage weights and their moments over data (or over hybrid sharding's groups on
+  # `expert`); each of 2 accumulated micro-batches runs the whole schedule. The parameters after STEPS
+  # steps see both.
+  combined = {**SHALLOW, **sharding, "mesh.pipeline": 2, "sharding.zero": 3, "grad_accum": 2}
   loss, grads, params = run_layout(combined, jax.devices())
   ref_loss, ref_grads, ref_params = run_layout({**SHALLOW, "mesh.data": 1}, jax.devices()[:1])
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -73,7 +79,76 @@ def test_llama_in_bf16_matches_single_device_bf16(schedule, llama_bf16_reference
   pipelined = {**LLAMA_BF16, "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": schedule}
   loss, grads = loss_and_gradients(pipelined, jax.devices())
   np.testing.assert_allclose(loss, llama_bf16_reference[0], rtol=BF16_LOSS_RTOL)
-  assert_bf16_gradients_close(grads, llama_bf16_reference[1], "bfloat16 gradient")
+  assert_half_gradients_close(grads, llama_bf16_reference[1], "bfloat16 gradient")
+
+
+# A mixture of experts pipelines as grad_accum accumulates: each of the M micro-batches is routed, balanced and
+# dropped on its own, so the reference is one device with grad_accum=M. Capacity 1.0 drops a fifth of the
+# choices, so the layouts must agree on drops too; four layers split into P x V = 2 x 2 chunks.
+LLAMA_MOE = {"model.family": "llama", "model.kv_heads": 2, "model.num_layers": 4, "model.embed_dim": 32,
+             "model.mlp_dim": 64, "model.max_len": 16, "moe.experts": 4, "moe.capacity_factor": 1.0,
+             "pipeline.microbatches": 2, "pipeline.virtual_stages": 2}
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+  config, layout, state, batch = setup({**LLAMA_MOE, "mesh.data": 1, "grad_accum": 2}, jax.devices()[:1])
+  return jax.device_get(objective_and_gradients(layout, config.grad_accum)(state["params"], batch))
+
+
+def assert_matches_moe_reference(result, reference):
+  (loss, stats), grads = result
+  (ref_loss, ref_stats), ref_grads = reference
+  assert ref_stats["moe_dropped"] > 0.05  # drops happen, so agreeing on them is tested
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert stats.keys() == ref_stats.keys()
+  for key, value in ref_stats.items():  # cross-entropy, balancing and z-losses, their weighted sum, drops, loads
+    np.testing.assert_allclose(stats[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+@pytest.mark.parametrize("schedule", schedules.SCHEDULES)
+def test_moe_schedule_matches_one_device_accumulating_the_micro_batches(schedule, moe_reference):
+  _, layout, state, batch = setup({**LLAMA_MOE, "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": schedule},
+                                  jax.devices())
+  assert_matches_moe_reference(jax.device_get(objective_and_gradients(layout)(state["params"], batch)),
+                               moe_reference)
+
+
+def test_moe_1f1b_with_expert_parallelism_exchanges_tokens_inside_the_stages(moe_reference):
+  _, layout, state, batch = setup({**LLAMA_MOE, "mesh.pipeline": 2, "mesh.expert": 2, "mesh.data": 2,
+                                   "pipeline.schedule": "1f1b"}, jax.devices())
+  step = objective_and_gradients(layout).lower(state["params"], batch).compile()
+  assert_matches_moe_reference(jax.device_get(step(state["params"], batch)), moe_reference)
+  found = analysis.collectives(step, layout.mesh)
+  # A MoE layer (the body of the stage's layer loop) dispatches and combines by all-to-all over `expert` in the
+  # forward slot, and its gradients go back the same two routes in the backward slot: 4, all inside the loops.
+  assert analysis.count_by(found, kind="all-to-all", axes=EXPERT, in_loop=True) == 4, analysis.summary_table(found)
+  assert analysis.count_by(found, kind="all-to-all", axes=EXPERT) == 4, analysis.summary_table(found)
+
+
+GPT2_MOE_FP16 = {**SHALLOW, "moe.experts": 4, "moe.capacity_factor": 1.0, "precision.compute": "float16"}
+
+
+def test_1f1b_in_float16_scales_the_loss_as_one_device_does_and_overflows_as_it_does():
+  # 1F1B's hand-written backward must carry the loss scale from the head and from each stage's auxiliary loss
+  # to every gradient: a part left unscaled would be 2^15 times too small.
+  scale, overflowing = jnp.float32(2.0**15), jnp.float32(2.0**40)  # precision.loss_scale's start; far past float16
+  config, layout, state, batch = setup({**GPT2_MOE_FP16, "mesh.data": 1, "grad_accum": 2}, jax.devices()[:1])
+  (ref_loss, ref_stats), ref_grads = jax.device_get(
+      objective_and_gradients(layout, config.grad_accum)(state["params"], batch, scale))
+  _, layout, state, batch = setup({**GPT2_MOE_FP16, "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": "1f1b"},
+                                  jax.devices())
+  step = objective_and_gradients(layout)
+  (loss, stats), grads = jax.device_get(step(state["params"], batch, scale))
+  np.testing.assert_allclose(loss, ref_loss, rtol=FP16_LOSS_RTOL)
+  for key, value in ref_stats.items():  # means over the tokens, as the loss is
+    np.testing.assert_allclose(stats[key], value, rtol=FP16_LOSS_RTOL, err_msg=key)
+  assert_half_gradients_close(grads, ref_grads, "float16 gradient", FP16_GRADIENT_TOLERANCES)
+  # 2^40 x the loss overflows float16 in the backward pass while the loss stays finite: what the train step
+  # takes for the scaler's overflow, dropping the update and halving the scale (tests/test_precision.py).
+  (loss, _), grads = jax.device_get(step(state["params"], batch, overflowing))
+  assert np.isfinite(loss) and not all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
 
 
 def temp_bytes(schedule):

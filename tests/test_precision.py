@@ -219,8 +219,6 @@ class FakeGpu:
     ({"precision.compute": "float64"}, "precision.compute='float64' is unknown"),
     ({"precision.moments": "float16"}, "precision.moments='float16' is unknown"),
     ({"model.remat": "some"}, "model.remat='some' is unknown"),
-    ({"precision.compute": "float16", "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": "1f1b"},
-     "pipeline.schedule=1f1b differentiates stage by stage"),
 ])
 def test_bad_precision_settings_are_refused_in_one_line(overrides, message):
   with pytest.raises(ValueError, match=re.escape(message)):

@@ -33,14 +33,11 @@ def schedule_grad_fn(layout: Layout, scale=None):
   """(params, batch) -> ((loss, stats), grads) for the layout: gradients belong to the pipeline schedule.
 
   With a loss `scale` the gradients are of scale x loss (float16 loss scaling); the loss returned
-  is unscaled. The pipeline schedules run dense models only (parallel/checks.py), so their
-  statistics are empty.
+  is unscaled. A pipeline's loss and statistics are the means over its micro-batches, as
+  grad_accum's are over its own (parallel/pipeline.py).
   """
   if layout.schedule != "none":
-    def pipelined(p, b):
-      loss, grads = pipeline.loss_and_grads(layout, p, b, scale)
-      return (loss, {}), grads
-    return pipelined
+    return lambda p, b: pipeline.loss_and_grads(layout, p, b, scale)
   loss_of = lambda p, b: objective(layout, p, b)
   if scale is None:
     return jax.value_and_grad(loss_of, has_aux=True)
