@@ -156,6 +156,9 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTD, positions_T):
     cfg, dtype = self.cfg, self.cfg.dtype
+    # A router ranks and drops a whole sequence's tokens: where this holds one shard of each sequence (a
+    # pipeline stage over a sharded sequence), it routes the gathered sequence and keeps its own part.
+    x_BTD, positions_T, local = current().whole_length(x_BTD, positions_T)
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
     routing, stats = route(logits_BTE, positions_T, cfg)
     weights, run = self._expert_weights(), current().experts
@@ -173,7 +176,7 @@ class MoE(nnx.Module):
       rows_BTK = routing.experts_BTK * slots + jnp.minimum(routing.slot_BTK, slots - 1)
     y_BTD = combine(y_BRD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
     stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]
-    return y_BTD, stats
+    return local(y_BTD), stats
 
   def _expert_weights(self) -> tuple:
     if self.gated:

@@ -45,6 +45,10 @@ def _as_is(kernel: Callable, *arrays: jax.Array) -> jax.Array:
   return kernel(*arrays)
 
 
+def _already_whole(x_BTX: jax.Array, positions_T: jax.Array):
+  return x_BTX, positions_T, lambda y_BTX: y_BTX
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Everything the model leaves to whoever places it; the defaults run on one device."""
@@ -61,6 +65,9 @@ class Placement:
   experts: Callable[..., jax.Array] | None = None
   # `per_device(kernel, q, k, v, *per_row)`: a kernel the partitioner cannot split (Pallas), on each device's share
   per_device: Callable[..., jax.Array] = _as_is
+  # `whole_length(x_BTX, positions_T) -> (x, positions, local)`: the whole sequence where the model holds one
+  # shard of it (inside a map manual over the length's axis), and `local(y_BTX)`, this shard's part of a result
+  whole_length: Callable = _already_whole
   # logical axes an enclosing vmap's mapped axis already carries: `constrain` leaves them unsharded
   outside: frozenset = frozenset()
 

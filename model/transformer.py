@@ -271,6 +271,16 @@ def document_positions(segments_BT):
   return index_T - jax.lax.cummax(jnp.where(starts_BT, index_T, 0), axis=1)
 
 
+def packed_documents(tokens_BT, positions_T, document_end: int):
+  """(segment ids [B, T], the positions the embedding sees) for tokens in the order `positions_T` gives:
+  with packing (document_end >= 0) each token's document and its position within it, found in token
+  order whatever order the sequence arrives in; without, (None, positions_T)."""
+  if document_end < 0:
+    return None, positions_T
+  segments_BT = document_ids(tokens_BT[:, jnp.argsort(positions_T)], document_end)
+  return segments_BT[:, positions_T], document_positions(segments_BT)[:, positions_T]
+
+
 class LanguageModel(nnx.Module):
   """The stack and the loss every family shares.
 
@@ -298,11 +308,7 @@ class LanguageModel(nnx.Module):
     attends within its own document, and learned positions count from its start.
     """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    segments_BT, embed_positions = None, positions_T
-    if self.cfg.document_end >= 0:  # found in token order, whatever order the sequence arrives in
-      in_order_BT = tokens_BT[:, jnp.argsort(positions_T)]
-      segments_BT = document_ids(in_order_BT, self.cfg.document_end)
-      segments_BT, embed_positions = segments_BT[:, positions_T], document_positions(segments_BT)[:, positions_T]
+    segments_BT, embed_positions = packed_documents(tokens_BT, positions_T, self.cfg.document_end)
     x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
     loss = self.head_loss(x_BTD, targets_BT)
     return loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}

@@ -25,15 +25,6 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
     _check_splash(model, shape)
   if shape[SEQUENCE] > 1:
     _check_context(model, shape[SEQUENCE], tensor, context)
-    if shape[PIPELINE] > 1:
-      raise ValueError(
-          f"mesh.pipeline={shape[PIPELINE]} with mesh.sequence={shape[SEQUENCE]} would nest the context "
-          "strategy's shard_map inside a pipeline stage, which meshlm cannot lower yet; shard over one of them.")
-  if model.document_end >= 0 and shape[PIPELINE] > 1:
-    raise ValueError(
-        f"packed documents (data.segments, model.document_end={model.document_end}) are masked without a "
-        f"pipeline, but this run has mesh.pipeline={shape[PIPELINE]}; "
-        "use data, tensor, sequence and expert parallelism with packing, or turn data.segments off.")
   if model.document_end >= 0 and model.attention == "cudnn":
     raise ValueError(
         f"packed documents (data.segments, model.document_end={model.document_end}) cannot be masked by "

@@ -42,9 +42,14 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
   return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
+def token_order(strategy_name: str, length: int, shards: int) -> np.ndarray | None:
+  """The order a strategy wants the sequence in (zig-zag for the ring), or None for token order."""
+  return zigzag_order(length, shards) if strategy_name == "ring" else None
+
+
 def strategy(name: str, mesh):
   """The attention function of context strategy `name` (model/placement.py `attention`)."""
-  body = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[name]
+  body = in_map(name)
 
   def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
     inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
@@ -53,6 +58,21 @@ def strategy(name: str, mesh):
                          out_specs=_ACTIVATION, axis_names={*BATCH_AXES, SEQUENCE})(*inputs)
 
   return attend
+
+
+def in_map(name: str):
+  """Strategy `name`'s attention inside a map already manual over `sequence` and the batch's axes (a
+  pipeline stage's): the body `strategy` wraps in a map of its own, where no map over those axes can nest."""
+  return {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[name]
+
+
+def whole_length(x_BTX, positions_T):
+  """Inside a map manual over `sequence`: the whole sequence gathered from its shards (in the order they hold
+  it), its positions, and the function that keeps this shard's part of a result (model/placement.py)."""
+  length = x_BTX.shape[1]
+  start = jax.lax.axis_index(SEQUENCE) * length
+  return (_gather(x_BTX, 1), _gather(positions_T, 0),
+          lambda y_BTX: jax.lax.dynamic_slice_in_dim(y_BTX, start, length, axis=1))
 
 
 def per_device(mesh):

@@ -2,15 +2,18 @@
 
 The model comes in three parts (embed, stacked blocks, head and loss); only
 the blocks are pipelined. The whole step, gradients included, runs in one
-`shard_map` manual over `pipeline` and the batch's axes (`expert`, `data`), so
-each device keeps its own rows and every collective in it is one named here;
-`tensor` stays under GSPMD, so Megatron's tensor parallelism composes inside
-each stage. Each device differentiates its share of the loss with every weight
+`shard_map` manual over `pipeline`, the batch's axes (`expert`, `data`) and
+`sequence`, so each device keeps its own rows and its shard of the sequence and
+every collective in it is one named here; `tensor` stays under GSPMD, so
+Megatron's tensor parallelism composes inside each stage. A sharded sequence
+arrives in the order its context strategy wants (zig-zag for the ring), and
+the stages run the strategy's attention in this map (placement.for_stages).
+Each device differentiates its share of the loss with every weight
 marked as differing between devices, so autodiff adds no collective of its
 own; the gradients are summed once per step, after the schedule: the stage
-weights' over the batch axes, the embedding's and head's over `pipeline` too,
-and reduce-scattered over `data` where ZeRO-3 shards a weight (which enters the
-map gathered, once per step).
+weights' over the token axes, the embedding's and head's over `pipeline` too,
+and reduce-scattered over the axis ZeRO-3 splits a weight over (which enters
+the map gathered, once per step).
 
 - gpipe and interleaved run the circular schedule of parallel/schedules.py;
   activations hop stage to stage with `ppermute`, and autodiff through the
@@ -55,12 +58,13 @@ from jax.sharding import PartitionSpec as P
 
 from model.moe import AUX_LOSS
 from model.placement import placed
-from model.transformer import STACKED
-from parallel import microbatch, placement, schedules
-from parallel.mesh import PIPELINE
+from model.transformer import STACKED, packed_documents
+from parallel import context, microbatch, placement, schedules
+from parallel.mesh import PIPELINE, SEQUENCE
 from parallel.rules import BATCH_AXES, as_entry, entry_axes
 
-MANUAL = (PIPELINE, *BATCH_AXES)
+TOKEN_AXES = (*BATCH_AXES, SEQUENCE)  # what splits a batch's tokens: its rows, and along them the sequence
+MANUAL = (PIPELINE, *TOKEN_AXES)
 
 
 def loss_and_grads(layout, params, batch, scale=None):
@@ -71,9 +75,9 @@ def loss_and_grads(layout, params, batch, scale=None):
   virtual = layout.virtual_stages if layout.schedule == "interleaved" else 1
   stages = layout.mesh.shape[PIPELINE]
 
-  def body(params, inputs_BT, targets_BT, scale):
+  def body(params, tokens, scale):
     with placed(placement.for_stages(layout)):
-      cross_entropy, figures, grads = schedule(layout, jax.tree.map(_varying, params), inputs_BT, targets_BT, scale)
+      cross_entropy, figures, grads = schedule(layout, jax.tree.map(_varying, params), tokens, scale)
     cross_entropy, figures = jax.lax.psum((cross_entropy, figures), MANUAL)
     stats = {"cross_entropy": cross_entropy, **_step_figures(figures, layout.microbatches, stages * virtual)}
     return (cross_entropy + stats.get(AUX_LOSS, 0.0), stats), jax.tree.map(_reduce, grads, grad_specs, weight_specs)
@@ -84,10 +88,26 @@ def loss_and_grads(layout, params, batch, scale=None):
   weight_specs = jax.tree.map(_manual, layout.used_shardings)
   params = {**params, STACKED: _stage_major(params[STACKED], virtual, stages)}
   scale = jnp.ones((), jnp.float32) if scale is None else scale
+  tokens = _tokens(layout, batch)
+  # A token's row splits over the batch's axes and its place in the sequence over `sequence`.
+  token_specs = jax.tree.map(lambda x: P(BATCH_AXES, SEQUENCE) if x.ndim == 2 else P(SEQUENCE), tokens)
   loss_stats, grads = jax.shard_map(
-      body, mesh=layout.mesh, in_specs=(weight_specs, P(BATCH_AXES), P(BATCH_AXES), P()),
-      out_specs=(P(), grad_specs), axis_names=set(MANUAL))(params, batch["inputs"], batch["targets"], scale)
+      body, mesh=layout.mesh, in_specs=(weight_specs, token_specs, P()),
+      out_specs=(P(), grad_specs), axis_names=set(MANUAL))(params, tokens, scale)
   return loss_stats, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
+
+
+def _tokens(layout, batch) -> dict:
+  """What the stages read of the batch, in the order the context strategy wants the sequence (zig-zag for
+  the ring): inputs, targets, positions, the positions the embedding sees and, packed, segment ids."""
+  inputs_BT, targets_BT = batch["inputs"], batch["targets"]
+  order_T = context.token_order(layout.context, inputs_BT.shape[1], layout.mesh.shape[SEQUENCE])
+  if order_T is not None:
+    inputs_BT, targets_BT = inputs_BT[:, order_T], targets_BT[:, order_T]
+  positions_T = jnp.arange(inputs_BT.shape[1]) if order_T is None else jnp.asarray(order_T)
+  segments_BT, embed_positions = packed_documents(inputs_BT, positions_T, layout.model.document_end)
+  tokens = {"inputs": inputs_BT, "targets": targets_BT, "positions": positions_T, "embed_positions": embed_positions}
+  return tokens if segments_BT is None else {**tokens, "segments": segments_BT}
 
 
 def _manual(sharding, axes=MANUAL):
@@ -126,11 +146,11 @@ def _stage_major(blocks, outer: int, inner: int):
   return blocks if outer == 1 or inner == 1 else jax.tree.map(reorder, blocks)
 
 
-def _run_stage(layout, params, blocks, x_bTD):
+def _run_stage(layout, params, blocks, x_bTD, positions_T, segments_bT=None):
   """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
-  micro-batch's, the same on each of the stage's batch shards, so each holds 1/shards of it: summed over
+  micro-batch's, the same on each of the stage's token shards, so each holds 1/shards of it: summed over
   the devices like the loss's shares, it counts once."""
-  y_bTD, figures = nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD)
+  y_bTD, figures = nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD, positions_T, segments_bT)
   return y_bTD, {key: _varying(value) / _shards(layout) for key, value in figures.items()}
 
 
@@ -147,10 +167,35 @@ def _zeros(tree):
 
 
 def _shards(layout) -> int:
-  return math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+  """Into how many shards the batch's tokens split over the map's devices of one stage."""
+  return math.prod(layout.mesh.shape[a] for a in TOKEN_AXES)
 
 
-def _circular(layout, params, inputs_BT, targets_BT, scale):
+def _slot(layout, valid, busy, idle, *operands):
+  """busy(*operands) where `valid`, else idle(*operands): under lax.cond, so an idle slot does no work.
+
+  Except where a stage's attention passes blocks round a ring: one HLO collective-permute serves every
+  ring of the mesh at once, so every device must run it together (a device that skips it leaves the
+  others waiting forever; XLA's CPU runtime aborts after 40 s). There both run and a select keeps one:
+  an idle slot computes on what it holds and throws it away, in a tick that lasts as long as the
+  busy stages' anyway.
+  """
+  if layout.context != "ring":
+    return jax.lax.cond(valid, busy, idle, *operands)
+  return jax.tree.map(lambda b, i: jnp.where(valid, b, i), busy(*operands), idle(*operands))
+
+
+def _micro_batches(layout, tokens, name: str):
+  """tokens[name] split into the schedule's micro-batches, [M, b, T]; None where the batch has no such entry."""
+  return microbatch.split(tokens[name], layout.microbatches, layout.mesh) if name in tokens else None
+
+
+def _of_micro_batch(x_MX, m, micro: int):
+  """Micro-batch m's slice of x_MX (None stays None); m may be out of range on an idle slot."""
+  return None if x_MX is None else x_MX[jnp.clip(m, 0, micro - 1)]
+
+
+def _circular(layout, params, tokens, scale):
   """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
   objective, the blocks run by the gpipe / interleaved schedule."""
   stages, virtual, micro = layout.mesh.shape[PIPELINE], layout.virtual_stages, layout.microbatches
@@ -161,11 +206,12 @@ def _circular(layout, params, inputs_BT, targets_BT, scale):
   ring = [(p, (p + 1) % stages) for p in range(stages)]
   stage = jax.lax.axis_index(PIPELINE)
   # Rows of this stage's share of the head: 1/P of every device's rows, the same on every stage.
-  targets_PrT = microbatch.split(targets_BT, micro, layout.mesh).reshape(stages, -1, targets_BT.shape[1])
+  targets_PrT = _micro_batches(layout, tokens, "targets").reshape(stages, -1, tokens["targets"].shape[1])
+  segments_MbT = _micro_batches(layout, tokens, "segments")
 
   def share(params):
     model = nnx.merge(layout.graphdef, params)
-    x_MbTD = microbatch.split(model.embed_tokens(inputs_BT), micro, layout.mesh)
+    x_MbTD = microbatch.split(model.embed_tokens(tokens["inputs"], tokens["embed_positions"]), micro, layout.mesh)
     chunk_layers = jax.tree.leaves(params[STACKED])[0].shape[0] // virtual
 
     def tick(incoming_bTD, t):
@@ -174,9 +220,10 @@ def _circular(layout, params, inputs_BT, targets_BT, scale):
       chunk = jax.tree.map(
           lambda w: jax.lax.dynamic_slice_in_dim(w, (s // stages) * chunk_layers, chunk_layers),
           params[STACKED])
-      # A bubble tick does no work: the stage runs under lax.cond, and so does its backward pass.
-      run = functools.partial(_run_stage, layout, params, chunk)
-      y_bTD, figures = jax.lax.cond(valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
+      # A bubble tick does no work: the stage runs under lax.cond (`_slot`), and so does its backward pass.
+      run = functools.partial(_run_stage, layout, params, chunk, positions_T=tokens["positions"],
+                              segments_bT=_of_micro_batch(segments_MbT, m, micro))
+      y_bTD, figures = _slot(layout, valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
     _, (y_tbTD, figures_tX) = jax.lax.scan(tick, _varying(jnp.zeros_like(x_MbTD[0])), jnp.arange(ticks))
@@ -193,7 +240,7 @@ def _circular(layout, params, inputs_BT, targets_BT, scale):
   return cross_entropy, figures, grads
 
 
-def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
+def _one_f_one_b(layout, params, tokens, scale):
   """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
   objective, by the 1F1B schedule, which runs the backward itself."""
   stages, micro = layout.mesh.shape[PIPELINE], layout.microbatches
@@ -206,16 +253,22 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   last = stage == stages - 1
   blocks = params[STACKED]
   shared = {k: v for k, v in params.items() if k != STACKED}  # embedding, head, final norm
-  run_stage = functools.partial(_run_stage, layout, shared)
+  segments_MbT = _micro_batches(layout, tokens, "segments")
+  # Micro-batch f through the stage (its packed documents' segments, where there are any).
+  run_stage = lambda blocks, x_bTD, f: _run_stage(layout, shared, blocks, x_bTD, tokens["positions"],
+                                                   _of_micro_batch(segments_MbT, f, micro))
 
-  def differentiated(blocks, x_bTD):
-    """((the stage's output, its auxiliary loss; None when dense), the figures): the objective differentiates
-    the first two, the rest are only logged."""
-    y_bTD, figures = run_stage(blocks, x_bTD)
-    return (y_bTD, figures.get(AUX_LOSS)), figures
+  def differentiated(f):
+    """The stage on micro-batch f as a function of (blocks, input) -> ((the stage's output, its auxiliary
+    loss; None when dense), the figures): the objective differentiates the first two, the rest are only logged."""
+    def run(blocks, x_bTD):
+      y_bTD, figures = run_stage(blocks, x_bTD, f)
+      return (y_bTD, figures.get(AUX_LOSS)), figures
+    return run
 
   def embed(shared):
-    return split(nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).embed_tokens(inputs_BT))
+    model = nnx.merge(layout.graphdef, {**shared, STACKED: blocks})
+    return split(model.embed_tokens(tokens["inputs"], tokens["embed_positions"]))
 
   def head_loss(shared, y_btD, targets_bt):
     loss = nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).head_loss(y_btD, targets_bt)
@@ -224,8 +277,8 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
 
   x_MbTD, embed_vjp = jax.vjp(embed, shared)
   # Every stage runs the head on 1/P of each micro-batch's tokens: this stage's share of the targets.
-  targets_MPt = split(targets_BT).reshape(micro, stages, 1, -1)
-  idle_bTD, idle_figures = _zeros(jax.eval_shape(run_stage, blocks, x_MbTD[0]))
+  targets_MPt = split(tokens["targets"]).reshape(micro, stages, 1, -1)
+  idle_bTD, idle_figures = _zeros(jax.eval_shape(run_stage, blocks, x_MbTD[0], 0))
   # The cotangent of the stage's auxiliary loss: the objective adds 1/M of each micro-batch's (the step's is
   # the mean over micro-batches).
   d_aux = jax.tree.map(lambda zero: zero + scale / micro, idle_figures.get(AUX_LOSS))
@@ -234,16 +287,19 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   # activations; the router's statistics of all its rows) are stashed from the forward slot for the
   # backward slot; the rest (the weights, their casts to the compute dtype, masks) depend on the weights
   # alone, so they are made once here and shared by every slot. Which are which is the traced vjp's data
-  # dependence on the stage's input: the residuals JAX's partial evaluation leaves unknown without it.
-  residuals = lambda blocks, x_bTD: jax.tree.leaves(jax.vjp(differentiated, blocks, x_bTD, has_aux=True)[1])
+  # dependence on the stage's input (and the micro-batch's index, which picks its packed documents): the
+  # residuals JAX's partial evaluation leaves unknown without them.
+  residuals = lambda blocks, x_bTD, f: jax.tree.leaves(jax.vjp(differentiated(f), blocks, x_bTD, has_aux=True)[1])
   per_micro = pe.partial_eval_jaxpr_nounits(
-      jax.make_jaxpr(residuals)(blocks, x_MbTD[0]), [False] * len(jax.tree.leaves(blocks)) + [True],
+      jax.make_jaxpr(residuals)(blocks, x_MbTD[0], jnp.int32(0)), [False] * len(jax.tree.leaves(blocks)) + [True, True],
       instantiate=False)[2]
-  _, weights_vjp, _ = jax.vjp(differentiated, blocks, x_MbTD[0], has_aux=True)
+  # Traced at a micro-batch index that varies over `pipeline` as the slots' do (they come from the stage's
+  # index), so the residuals it picks (packed documents' masks) are typed as the stash's.
+  _, weights_vjp, _ = jax.vjp(differentiated(stage * 0), blocks, x_MbTD[0], has_aux=True)
   fixed, treedef = jax.tree.flatten(weights_vjp)
 
   def forward(x_bTD, stash, f):
-    (y_bTD, _), stage_vjp, figures = jax.vjp(differentiated, blocks, x_bTD, has_aux=True)
+    (y_bTD, _), stage_vjp, figures = jax.vjp(differentiated(f), blocks, x_bTD, has_aux=True)
     saved = [r for r, mine in zip(jax.tree.leaves(stage_vjp), per_micro) if mine]
     return y_bTD, figures, [s.at[f % slots].set(r) for s, r in zip(stash, saved)]
 
@@ -261,11 +317,11 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
   def tick(carry, t):
     incoming_bTD, cotangent_bTD, stash, loss, figures, shared_grads, block_grads, d_x_MbTD = carry
     f, f_ok, b, b_ok = schedules.one_f_one_b_slots(t, stage, stages=stages, micro=micro)
-    # Each slot runs under lax.cond, so a stage with nothing to do in it does no work, and each adds
-    # what it makes to the carry in place. Forward slot: micro-batch f through this stage.
+    # Each slot runs under lax.cond (`_slot`), so a stage with nothing to do in it does no work, and each
+    # adds what it makes to the carry in place. Forward slot: micro-batch f through this stage.
     x_bTD = jnp.where(stage == 0, x_MbTD[jnp.clip(f, 0, micro - 1)], incoming_bTD)
-    y_bTD, f_figures, stash = jax.lax.cond(
-        f_ok, forward, lambda _, stash, __: (idle_bTD, idle_figures, stash), x_bTD, stash, f)
+    y_bTD, f_figures, stash = _slot(
+        layout, f_ok, forward, lambda _, stash, __: (idle_bTD, idle_figures, stash), x_bTD, stash, f)
     figures = jax.tree.map(jnp.add, figures, f_figures)
     # Micro-batch `done` leaves the last stage and is turned round at once (head, loss and its
     # gradient), the head shared by every stage: an all-to-all hands each 1/P of its tokens, and
@@ -279,8 +335,8 @@ def _one_f_one_b(layout, params, inputs_BT, targets_BT, scale):
     d_y_bTD = jax.lax.all_to_all(jnp.broadcast_to(d_y_1tD, (stages, *d_y_1tD.shape)), PIPELINE, 0, 0)
     d_y_bTD = d_y_bTD.reshape(y_bTD.shape)
     # Backward slot: micro-batch b, from the residuals its forward slot stashed.
-    block_grads, d_x_bTD = jax.lax.cond(
-        b_ok, backward, lambda grads, _, __, d: (grads, _varying(jnp.zeros_like(d))),
+    block_grads, d_x_bTD = _slot(
+        layout, b_ok, backward, lambda grads, _, __, d: (grads, _varying(jnp.zeros_like(d))),
         block_grads, stash, b, jnp.where(last, d_y_bTD, cotangent_bTD))
     d_x_MbTD = jnp.where(b_ok & (stage == 0), d_x_MbTD.at[jnp.clip(b, 0, micro - 1)].set(d_x_bTD), d_x_MbTD)
     incoming_bTD = jax.lax.ppermute(y_bTD, PIPELINE, forward_pairs)

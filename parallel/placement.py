@@ -24,10 +24,14 @@ def for_layout(layout) -> Placement:
 
 
 def for_stages(layout) -> Placement:
-  """A pipeline stage's, inside the pipeline's map manual over `pipeline` and the batch's axes: for_layout's,
-  the experts exchanging their tokens by all-to-all in that map rather than in a map of their own."""
+  """A pipeline stage's, inside the pipeline's map manual over `pipeline`, the batch's axes and `sequence`:
+  for_layout's, with attention over a sharded sequence and the experts' all-to-alls run in that map rather
+  than in maps of their own, and a MoE router given the whole sequence it ranks."""
   outer = for_layout(layout)
-  return dataclasses.replace(outer, experts=experts.exchange if outer.experts else None)
+  sharded = layout.context != "none"
+  return dataclasses.replace(outer, attention=context.in_map(layout.context) if sharded else None,
+                             experts=experts.exchange if outer.experts else None,
+                             whole_length=context.whole_length if sharded else outer.whole_length)
 
 
 def for_decoding(layout) -> Placement:

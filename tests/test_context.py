@@ -91,7 +91,6 @@ def test_ulysses_trades_sequence_for_heads_with_all_to_alls():
     ({"model.attention": "cudnn"}, 2, "model.attention='cudnn' masks by index"),
     ({"model.attention": "splash", "model.max_len": 128}, 2, "model.attention='splash' masks by index"),
     ({"attention.context": "striped"}, 2, "attention.context='striped' is unknown"),
-    ({"mesh.pipeline": 2}, 2, "would nest the context strategy's shard_map"),
 ])
 def test_bad_context_input_is_refused(overrides, sequence, says):
   config = tiny_config(**{**FAMILIES["gpt2"], **overrides})

@@ -90,11 +90,6 @@ def test_packed_training_matches_one_device_on_a_sharded_sequence(packed_on_one_
   assert_tree_close(grads, ref_grads, "gradient")
 
 
-def test_packing_in_a_pipeline_is_refused_in_one_line():
-  with pytest.raises(ValueError, match=r"packed documents .* mesh.pipeline=2"):
-    plan(tiny_config(**{"model.document_end": END, "mesh.pipeline": 2, "mesh.data": 4}))
-
-
 def test_data_segments_ends_documents_at_the_tokenizers_end_of_text(tmp_path):
   config = tiny_config(**{"data.segments": True, "steps": 2, "workdir": str(tmp_path), "eval_every": 0,
                           "sample_tokens": 0, "mesh.data": 8})

@@ -1,6 +1,11 @@
 """Pipeline schedules compute the unpipelined numbers (dense and MoE, float32 to float16), run the tables they
 print, and 1F1B saves memory."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +85,52 @@ def test_llama_in_bf16_matches_single_device_bf16(schedule, llama_bf16_reference
   loss, grads = loss_and_gradients(pipelined, jax.devices())
   np.testing.assert_allclose(loss, llama_bf16_reference[0], rtol=BF16_LOSS_RTOL)
   assert_half_gradients_close(grads, llama_bf16_reference[1], "bfloat16 gradient")
+
+
+# Pipeline x sequence: a context strategy attends inside the stages, in the map the schedule already runs
+# manual over `sequence`. Four layers (2 x 2 chunks under interleaved), two micro-batches, pipeline=2 x
+# sequence=2 x data=2. Every strategy once, and every schedule with the ring (whose hops every device must
+# run together, so its idle slots compute and discard). Packed documents travel with their tokens into the
+# micro-batches and round the ring.
+STAGED_SEQUENCE = {"model.num_layers": 4, "pipeline.microbatches": 2, "pipeline.virtual_stages": 2,
+                   "mesh.pipeline": 2, "mesh.sequence": 2, "mesh.data": 2}
+SEQUENCE_CASES = [("gpipe", "ring", False), ("1f1b", "ring", False), ("interleaved", "ring", False),
+                  ("1f1b", "allgather", False), ("gpipe", "ulysses", False),
+                  ("1f1b", "ring", True), ("interleaved", "ulysses", True)]
+
+
+@pytest.fixture(scope="module")
+def four_layer_references():
+  one_device = {"model.num_layers": 4, "mesh.data": 1}
+  return {packed: loss_and_gradients({**one_device, "model.document_end": 10 if packed else -1}, jax.devices()[:1])
+          for packed in (False, True)}
+
+
+@pytest.mark.parametrize("schedule, context, packed", SEQUENCE_CASES,
+                         ids=[f"{s} {c}" + (" packed" if p else "") for s, c, p in SEQUENCE_CASES])
+def test_a_sharded_sequence_inside_the_stages_matches_one_device(schedule, context, packed, four_layer_references):
+  loss, grads = loss_and_gradients({**STAGED_SEQUENCE, "pipeline.schedule": schedule, "attention.context": context,
+                                    "model.document_end": 10 if packed else -1}, jax.devices())
+  ref_loss, ref_grads = four_layer_references[packed]
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, "gradient")
+
+
+def test_all_five_axes_at_once_match_one_device():
+  # tests/five_axes.py in a process of its own with 32 simulated devices: a MoE Llama on data=2 x tensor=2 x
+  # pipeline=2 x sequence=2 x expert=2 (1f1b, ring attention), against one device with grad_accum=2.
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "five_axes.py")], capture_output=True, text=True,
+                          cwd=ROOT / "tests", env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = json.loads(result.stdout.splitlines()[-1])
+  assert found["dropped"] > 0.05  # a fifth of the choices dropped: the layouts agree on which
+  assert found["loss"] < 1e-5 and found["gradients"] < 1e-5, found
+  assert max(found["stats"].values()) < 1e-5, found["stats"]
+  collectives = found["collectives"]
+  for expected in ("all-reduce over tensor", "collective-permute over pipeline", "collective-permute over sequence",
+                   "all-to-all over expert"):
+    assert expected in collectives, collectives
+  assert any(c.startswith("all-reduce over data") for c in collectives), collectives
 
 
 # A mixture of experts pipelines as grad_accum accumulates: each of the M micro-batches is routed, balanced and

@@ -16,11 +16,11 @@ from training.state import Layout, abstract_inputs
 def objective(layout: Layout, params, batch):
   """(what training differentiates, statistics with the cross-entropy and any router figures)."""
   model = nnx.merge(layout.graphdef, params)
-  if layout.context != "ring":
+  order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
+  if order_T is None:
     return model.objective(batch["inputs"], batch["targets"])
   # Ring attention balances causal work over a zig-zag token order; the model
   # follows token positions, and the mean loss does not care about order.
-  order_T = context.zigzag_order(batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
   return model.objective(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T))
 
 
