@@ -482,8 +482,14 @@ def _layer_passes(config, mesh) -> tuple[int, int]:
 
   Recomputation (a remat policy) runs the forward again.
   """
-  # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond).
+  # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond), except under ring
+  # attention, whose hops every device runs together: there a stage computes on every tick of its slots.
   forward = schedules.micro_batches(config, mesh[PIPELINE])
+  if mesh[PIPELINE] > 1 and mesh[SEQUENCE] > 1 and config.attention.context == "ring":
+    p = config.pipeline
+    ((ticks, busy),) = schedules.busy_slots(p.schedule, stages=mesh[PIPELINE], micro=p.microbatches,
+                                            virtual=p.virtual_stages if p.schedule == "interleaved" else 1).items()
+    forward = forward * ticks // busy
   backward = forward
   return forward * (2 if config.model.remat in ("full", "full_offload") else 1), backward
 
@@ -551,7 +557,7 @@ def _context(config, mesh, traffic):
     return
   d, strategy = dims(config, mesh), config.attention.context
   forward, backward = _layer_passes(config, mesh)
-  layers = config.model.num_layers
+  layers = config.model.num_layers // mesh[PIPELINE]  # a pipeline stage's
   kv = d.activation_bytes(d.kv_heads * d.head_dim)
   q = d.activation_bytes(d.heads * d.head_dim)
   if strategy == "allgather":

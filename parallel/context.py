@@ -49,21 +49,35 @@ def token_order(strategy_name: str, length: int, shards: int) -> np.ndarray | No
 
 def strategy(name: str, mesh):
   """The attention function of context strategy `name` (model/placement.py `attention`)."""
-  body = in_map(name)
-
-  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
-    inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
-    in_specs = (_ACTIVATION, _ACTIVATION, _ACTIVATION, P(SEQUENCE), _ACTIVATION)[:len(inputs)]
-    return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=in_specs,
-                         out_specs=_ACTIVATION, axis_names={*BATCH_AXES, SEQUENCE})(*inputs)
-
-  return attend
+  return _attend(_BODIES[name], mesh, (*BATCH_AXES, SEQUENCE), _ACTIVATION, P(SEQUENCE))
 
 
 def in_map(name: str):
   """Strategy `name`'s attention inside a map already manual over `sequence` and the batch's axes (a
-  pipeline stage's): the body `strategy` wraps in a map of its own, where no map over those axes can nest."""
-  return {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}[name]
+  pipeline stage's): the body `strategy` maps, where no map over those can nest.
+
+  The heads stay under GSPMD there, which gathers them over `tensor` around each collective over
+  `sequence` (tensor x the bytes, and an all-gather of their own). A map over `tensor` alone inside the
+  stage would keep them apart, but JAX 0.11 cannot differentiate a nested map that runs a collective
+  over its parent's manual axis (its partial evaluation names a residual by that axis, which Shardy
+  rejects: "parent bounding this axis as manual").
+  """
+  return _BODIES[name]
+
+
+def _attend(body, mesh, axes: tuple, rows: P, positions: P):
+  """`body` in a map manual over `axes` (rows and positions split as `rows` and `positions` say) and over
+  `tensor`, whose heads attend apart: left to GSPMD inside, the heads would be gathered over `tensor`
+  before every collective over `sequence` (tensor x the bytes, and an all-gather of their own)."""
+  heads = P(*rows, TENSOR)
+
+  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+    inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
+    in_specs = (heads, heads, heads, positions, rows)[:len(inputs)]
+    return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=in_specs, out_specs=heads,
+                         axis_names={*axes, TENSOR})(*inputs)
+
+  return attend
 
 
 def whole_length(x_BTX, positions_T):
@@ -238,3 +252,6 @@ def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
   out_BTnH, _ = blockwise_attention(to_heads(q_BTNH), to_heads(k_BTKH), to_heads(v_BTKH),
                                     positions_all, positions_all, block, _pair(segments_all, segments_all))
   return jax.lax.all_to_all(out_BTnH, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
+
+
+_BODIES = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}

@@ -43,6 +43,12 @@ ROWS = {  # name -> (what docs/planning.md calls the row, its flags beside BASE)
                ["--config.mesh.tensor=8", "--config.mesh.pipeline=8", "--config.pipeline.microbatches=8",
                 HEADS32]),
     "seq4": ("data=16 x sequence=4", ["--config.mesh.data=16", "--config.mesh.sequence=4"]),
+    # Llama 3 405B's long-context layout in small: tensor x context x pipeline x data. The ring: inside a stage
+    # GSPMD gathers the heads over tensor around an all-gather (parallel/context.py in_map), not round a ring.
+    "4d": ("tensor=4 x sequence=4 ring x pipeline=2 x data=2, 1f1b, M=8 (32 heads)",
+           ["--config.mesh.tensor=4", "--config.mesh.sequence=4", "--config.mesh.pipeline=2", "--config.mesh.data=2",
+            "--config.attention.context=ring", "--config.pipeline.schedule=1f1b", "--config.pipeline.microbatches=8",
+            HEADS32]),
 }
 
 _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {', '.join(ROWS)}.")
