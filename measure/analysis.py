@@ -25,7 +25,9 @@ reduce-scatters. `compile_partitioned` also keeps the HLO as the SPMD
 partitioner left it, before any backend pass, where the partitioner writes a
 reduce-scatter as an all-reduce whose only use is the device's 1/D
 dynamic-slice; GPU and TPU compilers fuse that pair into a reduce-scatter
-(XLA's ReduceScatterCreator), and so does our reading of it.
+(XLA's ReduceScatterCreator), and so does our reading of it; likewise an
+all-reduce of an all-reduce is one over both groups (AllReduceFolder), and the
+sum of two like all-reduces one all-reduce of the sum (AllReduceReassociate).
 """
 
 import collections
@@ -150,6 +152,12 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
   uses = _uses(lines) if partitioned is not None else {}
   found = {}
   for line_number, line in enumerate(lines):
+    if partitioned is not None and (summed := _reassociated(line, found, uses)):
+      # XLA's AllReduceReassociate: the sum of two all-reduces over the same devices, each read by the sum
+      # alone, is one all-reduce of the sum (a layer's input gradient from its q, k, v projections).
+      first, second = (found.pop(operand) for operand in summed[1:])
+      found[summed[0]] = dataclasses.replace(first, name=summed[0])
+      continue
     match = _INSTRUCTION.match(line)
     if not match:
       continue
@@ -184,6 +192,21 @@ _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.+?)\s([\w\-]+)\((.*)"
 
 def _operands(rest: str) -> list[str]:
   return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+
+
+def _reassociated(line: str, found: dict, uses: dict) -> tuple[str, str, str] | None:
+  """(the add, its two operands) where `line` adds two like all-reduces whose one use it is, else None."""
+  definition = _DEFINITION.match(line)
+  if not definition or definition.group(3) != "add":
+    return None
+  operands = _operands(definition.group(4))
+  if len(operands) != 2 or not all(o in found and found[o].kind == "all-reduce" for o in operands):
+    return None
+  one, two = (found[o] for o in operands)
+  alike = (one.axes, one.group_size, one.result_bytes, one.computation) == (
+      two.axes, two.group_size, two.result_bytes, two.computation)
+  only_use = all(len(uses.get(o, ())) == 1 for o in operands)
+  return (definition.group(1), *operands) if alike and only_use else None
 
 
 def _all_reduce_operand(line: str) -> str | None:

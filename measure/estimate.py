@@ -510,12 +510,18 @@ def _tensor_parallel(config, mesh, traffic):
   d, t = dims(config, mesh), mesh[TENSOR]
   forward, backward = _layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
-  per_layer = 2 * _all_reduce(d.activation_bytes(d.embed), t)
+  tokens = _all_reduce(d.activation_bytes(d.embed), t)
+  per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
+  if config.moe.experts:
+    # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
+    m = config.moe
+    capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
+    slots = _all_reduce(m.experts * d.batch * capacity * d.embed * d.compute_bytes, t)
+    per_stage += layers // m.every * (slots - tokens)
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(config, mesh[PIPELINE])
-  traffic[("all-reduce", TENSOR)] += ((forward + backward) * layers * per_layer
-                                      + micro * _all_reduce(outside, t))
+  traffic[("all-reduce", TENSOR)] += (forward + backward) * per_stage + micro * _all_reduce(outside, t)
 
 
 def _pipeline(config, mesh, weights, traffic):

@@ -3,9 +3,11 @@
 Each strategy is a `shard_map` manual over `sequence` and over the batch's
 axes (`expert`, `data`), whose rows stay local: left to GSPMD inside the map,
 the batch would be gathered over `data` for the collectives over `sequence`.
-`tensor` keeps working inside under GSPMD, splitting heads. Queries, keys and values arrive
-with rotary positions already applied, and the causal mask comes from token
-positions, so the strategies are exact whatever order the sequence is in.
+`tensor` is manual too, each device attending its own heads (left to GSPMD,
+the heads would be gathered over it around every collective over
+`sequence`). Queries, keys and values arrive with rotary positions already
+applied, and the causal mask comes from token positions, so the strategies
+are exact whatever order the sequence is in.
 
 - allgather: gather every key and value, attend locally. Simple; K/V memory is the whole sequence.
 - ring: K/V blocks travel round the ring with `ppermute` while each device

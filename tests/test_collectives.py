@@ -35,6 +35,15 @@ def test_tensor_parallel_step_has_two_all_reduces_per_layer_each_way():
   assert tensor_all_reduces_per_loop(found) == [2, 2], analysis.summary_table(found)
 
 
+def test_llama_s_separate_projections_reduce_their_input_gradients_once():
+  # Llama's q, k and v (and gate and up) are separate matmuls: the partitioner all-reduces each one's input
+  # gradient (5 backward), and a GPU or TPU compiler sums them first (AllReduceReassociate), as we read it: 2.
+  config = tiny_config(**{"model.family": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2})
+  layout = plan(config)
+  compiled, partitioned = compile_partitioned_train_step(layout, config)
+  assert tensor_all_reduces_per_loop(analysis.collectives(compiled, layout.mesh, partitioned)) == [2, 2]
+
+
 def test_data_parallel_step_reduces_every_gradient():
   config = tiny_config(**{"mesh.data": 8})
   layout = plan(config)
