@@ -152,10 +152,14 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
   uses = _uses(lines) if partitioned is not None else {}
   found = {}
   for line_number, line in enumerate(lines):
+    if partitioned is not None and (copied := _copied(line, found, uses)):
+      # A copy that only relays a collective's result (the simplifier removes it) stands for the collective.
+      found[copied[0]] = dataclasses.replace(found.pop(copied[1]), name=copied[0])
+      continue
     if partitioned is not None and (summed := _reassociated(line, found, uses)):
       # XLA's AllReduceReassociate: the sum of two all-reduces over the same devices, each read by the sum
       # alone, is one all-reduce of the sum (a layer's input gradient from its q, k, v projections).
-      first, second = (found.pop(operand) for operand in summed[1:])
+      first, _ = (found.pop(operand) for operand in summed[1:])
       found[summed[0]] = dataclasses.replace(first, name=summed[0])
       continue
     match = _INSTRUCTION.match(line)
@@ -192,6 +196,16 @@ _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.+?)\s([\w\-]+)\((.*)"
 
 def _operands(rest: str) -> list[str]:
   return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+
+
+def _copied(line: str, found: dict, uses: dict) -> tuple[str, str] | None:
+  """(the copy, its operand) where `line` copies a collective's result and is its one use, else None."""
+  definition = _DEFINITION.match(line)
+  if not definition or definition.group(3) != "copy":
+    return None
+  operands = _operands(definition.group(4))
+  ok = len(operands) == 1 and operands[0] in found and len(uses.get(operands[0], ())) == 1
+  return (definition.group(1), operands[0]) if ok else None
 
 
 def _reassociated(line: str, found: dict, uses: dict) -> tuple[str, str, str] | None:

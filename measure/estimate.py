@@ -578,6 +578,12 @@ def _context(config, mesh, traffic):
     traffic[("all-to-all", SEQUENCE)] += (forward + backward) * layers * _gather(2 * q + 2 * kv, shards)
   else:
     raise ValueError(f"attention.context={strategy!r} has no collective estimate.")
+  if mesh[PIPELINE] > 1 and config.moe.experts:
+    # In a pipeline stage a MoE layer routes the whole sequence, gathered over `sequence` (parallel/context.py
+    # whole_length), and its input's gradient is reduce-scattered back.
+    whole = layers // config.moe.every * _gather(d.activation_bytes(d.embed) * shards, shards)
+    traffic[("all-gather", SEQUENCE)] += forward * whole
+    traffic[("reduce-scatter", SEQUENCE)] += backward * whole
 
 
 def _experts(config, mesh, traffic):

@@ -131,6 +131,9 @@ def test_all_five_axes_at_once_match_one_device():
                    "all-to-all over expert"):
     assert expected in collectives, collectives
   assert any(c.startswith("all-reduce over data") for c in collectives), collectives
+  # The estimator's bytes for each kind and axes it predicts, and in all, within the 10% every layout keeps.
+  assert all(0.9 <= ratio <= 1.1 for ratio in found["compiled_over_estimate"].values()), found["compiled_over_estimate"]
+  assert 0.9 <= found["total_compiled_over_estimate"] <= 1.1, found["total_compiled_over_estimate"]
 
 
 # A mixture of experts pipelines as grad_accum accumulates: each of the M micro-batches is routed, balanced and
