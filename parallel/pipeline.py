@@ -226,7 +226,7 @@ def _circular(layout, params, tokens, scale):
       y_bTD, figures = _slot(layout, valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
-    _, (y_tbTD, figures_tX) = jax.lax.scan(tick, _varying(jnp.zeros_like(x_MbTD[0])), jnp.arange(ticks))
+    _, (y_tbTD, figures_tX) = jax.lax.scan(tick, _zeros(x_MbTD[0]), jnp.arange(ticks))
     figures = jax.tree.map(lambda f_tX: f_tX.sum(0), figures_tX)
     # The last virtual stage lives on the last device: it sends each stage 1/P of its outputs' rows.
     y_PrTD = y_tbTD[out_ticks].reshape(stages, -1, *x_MbTD.shape[2:])
@@ -330,13 +330,13 @@ def _one_f_one_b(layout, params, tokens, scale):
     y_1tD = jax.lax.all_to_all(y_bTD.reshape(stages, 1, -1, y_bTD.shape[-1]), PIPELINE, 0, 0)[stages - 1]
     loss, shared_grads, d_y_1tD = jax.lax.cond(
         (done >= 0) & (done < micro), turn_round,
-        lambda loss, grads, y, _: (loss, grads, _varying(jnp.zeros_like(y))),
+        lambda loss, grads, y, _: (loss, grads, _zeros(y)),
         loss, shared_grads, y_1tD, targets_MPt[jnp.clip(done, 0, micro - 1), stage])
     d_y_bTD = jax.lax.all_to_all(jnp.broadcast_to(d_y_1tD, (stages, *d_y_1tD.shape)), PIPELINE, 0, 0)
     d_y_bTD = d_y_bTD.reshape(y_bTD.shape)
     # Backward slot: micro-batch b, from the residuals its forward slot stashed.
     block_grads, d_x_bTD = _slot(
-        layout, b_ok, backward, lambda grads, _, __, d: (grads, _varying(jnp.zeros_like(d))),
+        layout, b_ok, backward, lambda grads, _, __, d: (grads, _zeros(d)),
         block_grads, stash, b, jnp.where(last, d_y_bTD, cotangent_bTD))
     d_x_MbTD = jnp.where(b_ok & (stage == 0), d_x_MbTD.at[jnp.clip(b, 0, micro - 1)].set(d_x_bTD), d_x_MbTD)
     incoming_bTD = jax.lax.ppermute(y_bTD, PIPELINE, forward_pairs)
