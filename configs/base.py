@@ -53,6 +53,10 @@ def base() -> ml_collections.ConfigDict:
   # survive: the other processes drop it, rebuild the mesh over the live devices and redo the step
   # from the state in memory (layouts where every shard has a copy on another process; docs/checkpoints.md)
   c.fault_tolerance = "none"
+  # survive: every K steps, copy the shards that only one process holds (ZeRO, tensor or pipeline
+  # across processes) into another process's host memory; a lost process then costs at most K
+  # steps redone (0: none; docs/checkpoints.md)
+  c.peer_copy_every = 0
 
   c.model = ml_collections.ConfigDict()
   c.model.family = "gpt2"  # gpt2 | llama

@@ -18,14 +18,26 @@ def lone_shard(shardings, abstract, process_of=lambda device: device.process_ind
 
   `process_of` maps a device to the process that hosts it (tests pretend several processes).
   """
+  return _first_leaf(shardings, abstract, lambda devices: len({process_of(d) for d in devices}) < 2)
+
+
+def lost_shard(layout, live) -> str | None:
+  """The first state leaf with a shard that no device in `live` holds, or None."""
+  live = set(live)
+  return _first_leaf(layout.state_shardings, layout.abstract_state, lambda devices: not devices & live)
+
+
+def _first_leaf(shardings, abstract, short) -> str | None:
+  """The name of the first leaf, parameters first (the leaf a user recognises), with a shard whose
+  set of holding devices is `short`, or None."""
   named = [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
            for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)]
   leaves = sorted(zip(named, jax.tree.leaves(shardings)), key=lambda item: not item[0][0].startswith("params"))
-  for (name, leaf), sharding in leaves:  # the parameters first: the leaf a user recognises
-    holders: dict[tuple, set[int]] = {}
+  for (name, leaf), sharding in leaves:
+    holders: dict[tuple, set] = {}
     for device, index in sharding.devices_indices_map(tuple(leaf.shape)).items():
-      holders.setdefault(shard_key(index, leaf.shape), set()).add(process_of(device))
-    if any(len(processes) < 2 for processes in holders.values()):
+      holders.setdefault(shard_key(index, leaf.shape), set()).add(device)
+    if any(short(devices) for devices in holders.values()):
       return name
   return None
 

@@ -11,6 +11,8 @@ The whole leaf passes through each device once, one leaf at a time: a recovery c
 leaf twice over in transient memory, never the whole state.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +68,7 @@ def share_state(state, layout: Layout, holders) -> dict:
   `state` is this process's state on its old mesh or, on a process that holds none, its abstract
   shapes. Each shard is taken from the first holder (by device id) that is on the new mesh.
   """
-  devices = list(layout.mesh.devices.flat)
-  sources = set(holders) & set(devices)
-  line = Mesh(np.asarray(devices), (_ALL,))
-  summed = jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line,
-                                 in_specs=P(_ALL), out_specs=P()))
+  sources = set(holders) & set(layout.mesh.devices.flat)
 
   def share(leaf, sharding):
     shape = tuple(leaf.shape)
@@ -84,20 +82,36 @@ def share_state(state, layout: Layout, holders) -> dict:
       if set(placed.values()) - first_holder.keys():
         raise ValueError(f"a shard of a state leaf of shape {shape} has no copy on the live devices, "
                          "so the state cannot be rebuilt; resume from the last checkpoint.")
-
-    def put_in(device):
-      shard = held.get(device)
-      zero = jnp.zeros((1, *shape), leaf.dtype, device=device)
-      if shard is None or first_holder.get(shard_key(shard.index, shape)) != device:
-        return zero
-      return zero.at[(0, *shard.index)].set(shard.data)
-
-    shares = jax.make_array_from_single_device_arrays(
-        (len(devices), *shape), NamedSharding(line, P(_ALL)),
-        [put_in(device) for device in line.local_devices])
-    whole = {shard.device: shard.data for shard in summed(shares).addressable_shards}
-    wanted = sharding.addressable_devices_indices_map(shape)
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [whole[device][index] for device, index in wanted.items()])
+    pieces = {device: [(shard.index, shard.data)] for device, shard in held.items()
+              if first_holder.get(shard_key(shard.index, shape)) == device}
+    return assemble(pieces, shape, leaf.dtype, sharding)
 
   return jax.tree.map(share, state, layout.state_shardings)
+
+
+def assemble(pieces: dict, shape: tuple, dtype, sharding: NamedSharding) -> jax.Array:
+  """A leaf laid out by `sharding`, from the pieces the processes put in: `pieces` maps each of this
+  process's devices on the sharding's mesh to the (index, value) pairs it contributes, and across all
+  processes every part of the leaf is put in exactly once. The same call on every process of the mesh."""
+  devices = list(sharding.mesh.devices.flat)
+  line = Mesh(np.asarray(devices), (_ALL,))
+
+  def put_in(device):
+    share = jnp.zeros((1, *shape), dtype, device=device)
+    for index, value in pieces.get(device, ()):
+      share = share.at[(0, *index)].set(value)
+    return share
+
+  shares = jax.make_array_from_single_device_arrays(
+      (len(devices), *shape), NamedSharding(line, P(_ALL)), [put_in(device) for device in line.local_devices])
+  whole = {shard.device: shard.data for shard in _summed(line)(shares).addressable_shards}
+  wanted = sharding.addressable_devices_indices_map(shape)
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding, [whole[device][index] for device, index in wanted.items()])
+
+
+@functools.cache  # one program per mesh, whichever leaves pass through it
+def _summed(line: Mesh):
+  """Over the devices of `line`: each hands in its share, and each gets the sum of all of them."""
+  return jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line, in_specs=P(_ALL),
+                               out_specs=P()))

@@ -14,6 +14,7 @@ comes from a live replica (resilience/rejoin.py).
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import time
@@ -27,7 +28,8 @@ from ml_collections import ConfigDict
 from input_pipeline import data
 from measure import analysis
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
-from resilience.redundancy import survival_problem
+from resilience.peer_copies import PeerCopies
+from resilience.redundancy import lost_shard, survival_problem
 from resilience.state_transfer import relocate, share_state
 from resilience.survive_events import Interruptions
 from training.state import Layout, abstract_inputs, plan
@@ -35,37 +37,62 @@ from training.step import make_eval_step, make_train_step
 from training.stepper import StepDone, Stepper, eval_due, eval_loss
 
 
-def shrunk_config(config, mesh_shape: dict, live_count: int):
-  """`config` for `live_count` devices: fewer data-parallel replicas, the same global batch.
+def shrunk_config(config, mesh_shape: dict, live_count: int, fits=lambda replicas, per_replica: True):
+  """`config` for at most `live_count` devices: fewer data-parallel replicas, the same global batch.
 
-  Under hybrid sharding (sharding.fsdp_group=G) the batch splits over the data devices of every
-  group, and the groups become the largest that divide both G and the data devices left: each
-  device then holds G/group times its former share of the sharded state.
+  The most replicas that split the batch evenly, each device holding no more rows than before (more
+  micro-batches where needed), and that `fits` accepts: where the batch does not divide over every
+  live replica, some devices sit out, which keeps the step exact for any batch and any model (padded
+  rows would shift a MoE router's statistics). Under hybrid sharding (sharding.fsdp_group=G) the batch
+  splits over the data devices of every group, and the groups become the largest that divide both G
+  and the replicas: each device then holds G/group times its former share of the sharded state.
   Returns (config, None), or (None, why not) in one sentence.
   """
   group = config.sharding.fsdp_group
-  batch_axes = (DATA, EXPERT) if group else (DATA,)  # hybrid sharding runs its groups on `expert`
-  others = math.prod(size for axis, size in mesh_shape.items() if axis not in batch_axes)
-  if live_count % others:
-    return None, (f"{live_count} live devices do not divide into the other mesh axes "
-                  f"({others} devices per data-parallel replica)")
-  replicas = live_count // others
-  shards = replicas if group else replicas * mesh_shape[EXPERT]  # the batch splits over data and expert
+  others = replica_shape(mesh_shape, group)[1]
+  if live_count < others:
+    return None, (f"{live_count} live devices are fewer than one data-parallel replica's "
+                  f"{others} devices (the other mesh axes)")
   pipeline_micro = config.pipeline.microbatches if mesh_shape[PIPELINE] > 1 else 1
   before = config.batch_size // (config.grad_accum * pipeline_micro * mesh_shape[DATA] * mesh_shape[EXPERT])
-  # The fewest micro-batches (a multiple of today's) that keep each device's rows within what it held.
-  for grad_accum in range(config.grad_accum, config.batch_size + 1, config.grad_accum):
-    rows, left = divmod(config.batch_size, grad_accum * pipeline_micro * shards)
-    if not left and rows <= before:
-      smaller = config.copy_and_resolve_references()
-      for axis in AXES:
-        smaller.mesh[axis] = replicas if axis == DATA else 1 if group and axis == EXPERT else mesh_shape[axis]
-      if group:
-        smaller.sharding.fsdp_group = math.gcd(group, replicas)
-      smaller.grad_accum = grad_accum
-      return smaller, None
-  return None, (f"batch_size={config.batch_size} does not split evenly over {replicas} data-parallel "
-                f"replicas with at most {before} rows per device")
+  most = live_count // others
+  for replicas in range(most, 0, -1):
+    if not fits(replicas, others):
+      continue
+    shards = replicas if group else replicas * mesh_shape[EXPERT]  # the batch splits over data and expert
+    # The fewest micro-batches (a multiple of today's) that keep each device's rows within what it held.
+    for grad_accum in range(config.grad_accum, config.batch_size + 1, config.grad_accum):
+      rows, left = divmod(config.batch_size, grad_accum * pipeline_micro * shards)
+      if not left and rows <= before:
+        smaller = config.copy_and_resolve_references()
+        for axis in AXES:
+          smaller.mesh[axis] = replicas if axis == DATA else 1 if group and axis == EXPERT else mesh_shape[axis]
+        if group:
+          smaller.sharding.fsdp_group = math.gcd(group, replicas)
+        smaller.grad_accum = grad_accum
+        return smaller, None
+  return None, (f"batch_size={config.batch_size} splits evenly over no number of data-parallel replicas up "
+                f"to {most} that leaves every live process a device")
+
+
+def replica_shape(mesh_shape, group: int) -> tuple[int, int]:
+  """(data-parallel replicas, devices per replica) of a mesh: the batch splits over `data`, and under
+  hybrid sharding also over `expert`, where its groups run."""
+  batch_axes = (DATA, EXPERT) if group else (DATA,)
+  return (math.prod(size for axis, size in mesh_shape.items() if axis in batch_axes),
+          math.prod(size for axis, size in mesh_shape.items() if axis not in batch_axes))
+
+
+def spread(live: list, replicas: int, per_replica: int, process_of=lambda device: device.process_index) -> list:
+  """`replicas` runs of `per_replica` consecutive `live` devices (the mesh's replicas), taken from the
+  processes in turn so that each keeps work where it can, in their order in `live`."""
+  units = [tuple(live[i:i + per_replica]) for i in range(0, len(live) - per_replica + 1, per_replica)]
+  by_process: dict[int, list] = {}
+  for unit in units:
+    by_process.setdefault(process_of(unit[0]), []).append(unit)
+  in_turn = [unit for turn in itertools.zip_longest(*by_process.values()) for unit in turn if unit]
+  chosen = set(in_turn[:replicas])
+  return [device for unit in units if unit in chosen for device in unit]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +102,7 @@ class LaidOut:
   config: ConfigDict  # the run's own, or shrunk to fit the live devices
   train_step: Callable | None  # None on a process joining, until it is laid out with the live ones
   eval_step: Callable | None  # None without evaluation
+  live: frozenset  # the live devices it was laid out over; where the batch does not divide, some sit out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,20 +120,26 @@ class _Relaid:
   laid_out: LaidOut
   state: dict
   came_back: tuple[int, ...] | None  # the processes back, where the mesh grew; None where it shrank
+  rolled_back_to: int | None  # the peer copy's step, where the state was rebuilt from copies
 
 
 class Survivor:
   """Train steps that outlive lost processes; `steps()` yields each one done."""
 
-  def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None, joining=False):
-    """`joining`: this process was started again into a run in progress; `rejoin` is its first call."""
+  def __init__(self, config, layout: Layout, split, evaluate, eval_due, compile_steps=None, joining=False,
+               resume_advice=lambda: "run the same command again to resume from the last checkpoint"):
+    """`joining`: this process was started again into a run in progress; `rejoin` is its first call.
+    `resume_advice()`: what a refusal to go on tells the user to do (the checkpoint there is, if any)."""
     self._split = split
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
     self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
+    self._resume_advice = resume_advice
     self._all_devices = list(layout.mesh.devices.flat)
     self._first = config, dict(layout.mesh.shape)  # what a mesh grown back to every device runs
     train_step, eval_step = (None, None) if joining else self._compile_steps(layout, config)
-    self._laid_out = LaidOut(layout, config, train_step, eval_step)
+    self._laid_out = LaidOut(layout, config, train_step, eval_step, frozenset(self._all_devices))
+    self._copy_every = config.peer_copy_every
+    self.copies = self._copies_for(layout)
 
   @property
   def layout(self) -> Layout:
@@ -118,6 +152,12 @@ class Survivor:
   @property
   def compiled(self):
     return self._laid_out.train_step
+
+  def _copies_for(self, layout: Layout) -> PeerCopies | None:
+    """Peer copies where the config asks for them and some shard lives on one process only."""
+    if not self._copy_every or len(processes_of(layout)) < 2 or survival_problem(layout) is None:
+      return None
+    return PeerCopies(layout, self._copy_every)
 
   def rejoin(self, abstract_state) -> tuple[dict, Interruptions]:
     """On a process started again: the run's state on the grown mesh, sent from a live replica, and
@@ -142,7 +182,8 @@ class Survivor:
 
     `interruptions`: what the first step tells besides its own (a rejoin's, from `rejoin`). The
     processes vote on a stop request, and evaluate when it is due, inside the same block as the step:
-    a process lost during either fails the block, like one lost during the step.
+    a process lost during either fails the block, like one lost during the step. A step rebuilt from
+    peer copies rolls back to their step, and the steps since are done again.
     """
     step = start
     while step < self.config.steps:
@@ -151,14 +192,20 @@ class Survivor:
         with live_devices(self._all_devices) as live:
           # Relaid out in a block of its own: its closing barrier lines the processes up again
           # before the next step's collectives, whatever each spent compiling.
-          outcome = (self._step(state, step, stop, live) if set(live) == set(self.layout.mesh.devices.flat)
+          outcome = (self._step(state, step, stop, live) if set(live) == self._laid_out.live
                      else self._shrink_or_grow(state, step, live))
       except ProcessFailureError:
-        interruptions = interruptions.failed(began, processes_of(self.layout))
+        if self.copies:
+          self.copies.block_failed()
+        interruptions = interruptions.failed(began, processes_of(self.layout), step + 1)
         continue
+      if self.copies:
+        self.copies.block_done()
       if isinstance(outcome, _Relaid):
-        interruptions = interruptions.relaid(began, outcome.came_back)
+        interruptions = interruptions.relaid(began, outcome.came_back, outcome.rolled_back_to)
         self._laid_out, state = outcome.laid_out, outcome.state
+        self.copies = self._copies_for(self.layout)
+        step = int(jax.device_get(state["step"]))
         continue
       state, step = outcome.state, step + 1
       events = interruptions.events(step, self.layout, self.config.grad_accum, processes_of(self.layout))
@@ -166,55 +213,84 @@ class Survivor:
       interruptions = Interruptions()
 
   def _step(self, state, step: int, stop, live) -> _Stepped:
-    """Step `step` + 1 on the current layout, the stop vote, and the evaluation where due."""
+    """Step `step` + 1 on the current layout, the stop vote, the evaluation where due, and the peer
+    copy: the last one sent arrives during this step, and one of this step's state leaves when due."""
     config, layout = self.config, self.layout
     batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
                               seq_len=layout.model.max_len, sharding=layout.batch_sharding)
-    new_state, metrics = jax.block_until_ready(self.compiled(state, batch))
+    new_state, metrics = self.compiled(state, batch)
+    if self.copies:
+      self.copies.before_step()
+    new_state, metrics = jax.block_until_ready((new_state, metrics))
     stopping = stop.requested(step + 1, config.log_every, live)
     eval_loss = (self._evaluate(self._laid_out.eval_step, layout, new_state["params"])
                  if self._eval_due(step + 1) else None)
+    if self.copies:
+      self.copies.after_step(new_state, step + 1)
     return _Stepped(new_state, metrics, stopping, eval_loss)
 
   def _shrink_or_grow(self, state, step: int, live) -> _Relaid:
-    """The run laid out over the `live` devices, after `step` steps, with `state` moved there."""
-    grow = not set(live) <= set(self.layout.mesh.devices.flat)  # a process came back
+    """The run laid out over the `live` devices, after `step` steps, with `state` moved there: from
+    the live devices where they hold every shard, else rolled back to the last peer copy."""
+    grow = not set(live) <= self._laid_out.live  # a process came back
     laid_out = self._relayout(live, step, grow)
-    moved = jax.block_until_ready(relocate(state, self.layout, laid_out.layout))
     came_back = tuple(sorted(processes_of(laid_out.layout) - processes_of(self.layout))) if grow else None
-    return _Relaid(laid_out, moved, came_back)
+    if grow or lost_shard(self.layout, live) is None:
+      return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout)), came_back, None)
+    kept = self.copies.kept
+    rebuilt = kept.restore(laid_out.layout, {d.process_index for d in live}, jax.process_index())
+    return _Relaid(laid_out, jax.block_until_ready(rebuilt), came_back, kept.step)
 
   def _relayout(self, live, step: int | None = None, grow: bool = False) -> LaidOut:
     """The layout over the live devices: fewer replicas after a loss, and after a rejoin as many as
     the run's own config fits on them (all of them back: the run's own layout). `step`, the steps
     done, names the failed one in a refusal; a rejoining process does not know it yet."""
     config, shape = self._first if grow else (self.config, dict(self.layout.mesh.shape))
-    smaller, why = shrunk_config(config, shape, len(live))
-    why = survival_problem(self.layout) or why  # a lost shard first: no mesh brings it back
+    ordered = [device for device in self._all_devices if device in set(live)]
+    processes = {device.process_index for device in ordered}
+    fits = lambda replicas, per_replica: {d.process_index for d in spread(ordered, replicas, per_replica)} == processes
+    smaller, why = shrunk_config(config, shape, len(ordered), fits)
+    why = (None if grow else self._unrecoverable(live)) or why  # a lost shard first: no mesh brings it back
     layout = None
     if why is None:
       try:
-        layout = plan(smaller, devices=live)
+        layout = plan(smaller, devices=spread(ordered, *replica_shape(dict(smaller.mesh), smaller.sharding.fsdp_group)))
       except ValueError as refusal:  # the model does not divide over the smaller mesh
         why = str(refusal).rstrip(".")
     if layout is None:
       event = "a process came back" if grow else f"a process was lost before step {step + 1}"
-      raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; run the "
-                       "same command again to resume from the last checkpoint.")
-    return LaidOut(layout, smaller, *self._compile_steps(layout, smaller))
+      raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; "
+                       f"{self._resume_advice()}.")
+    return LaidOut(layout, smaller, *self._compile_steps(layout, smaller), frozenset(live))
+
+  def _unrecoverable(self, live) -> str | None:
+    """Why the state cannot be rebuilt over `live` (one sentence), or None."""
+    if len(processes_of(self.layout)) < 2:
+      return survival_problem(self.layout)
+    lost = lost_shard(self.layout, live)
+    if lost is None:
+      return None
+    if self.copies is None:
+      return (f"{lost} has a shard that only a lost process held (the state is sharded over processes, not "
+              f"replicated: ZeRO or a model axis spans them), and no peer copies were kept "
+              f"(--config.peer_copy_every=K keeps them)")
+    if self.copies.kept is None:
+      return f"{lost} has a shard that only a lost process held, and no peer copy had been kept yet"
+    return self.copies.kept.missing({device.process_index for device in live})
 
 
 class SurvivingStepper(Stepper):
   """The loop's steps in survive mode, a Survivor's; a process started again (`state` None) rejoins
   the run in progress here and takes its state from a live replica."""
 
-  def __init__(self, config, layout: Layout, state: dict | None, train_split, val_split, stop):
+  def __init__(self, config, layout: Layout, state: dict | None, train_split, val_split, stop, resume_advice):
     # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
     if not jax.config.jax_compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
     self._survivor = Survivor(config, layout, train_split,
                               evaluate=functools.partial(eval_loss, split=val_split, config=config),
-                              eval_due=functools.partial(eval_due, config), joining=state is None)
+                              eval_due=functools.partial(eval_due, config), joining=state is None,
+                              resume_advice=resume_advice)
     # What the first step tells of the time before it: on a process started again, that it rejoined.
     self._stop, self._first_tells = stop, Interruptions()
     if state is None:

@@ -9,8 +9,11 @@ from training.state import Layout
 
 @dataclasses.dataclass(frozen=True)
 class ProcessesLost:
-  """Processes lost during a step, which the live ones redid without them."""
-  step: int  # the step that failed and was redone
+  """Processes lost during a step, which the live ones redid without them: from the state they
+  held, or rolled back to the last peer copy (the steps since done again before it)."""
+  step: int  # the first step done after the loss: the failed one, or the first redone
+  failed_step: int
+  rolled_back_to: int | None  # the peer copy's step, where the state was rebuilt from copies
   processes: tuple[int, ...]
   live_devices: int
   mesh: dict  # the shape the step was redone on
@@ -19,16 +22,23 @@ class ProcessesLost:
   detect_seconds: float  # until every live process knew (heartbeat and collective timeouts)
   relayout_seconds: float  # the smaller mesh: moving the state and compiling the step
 
+  @property
+  def steps_lost(self) -> int:
+    """Steps that had finished and were done again."""
+    return 0 if self.rolled_back_to is None else self.failed_step - 1 - self.rolled_back_to
+
   def record(self) -> dict:
-    return {"steps_lost": 0,  # the redone step is the one that failed: no finished step is lost
-            "recovery_seconds": self.recovery_seconds, "detect_seconds": self.detect_seconds,
+    return {"steps_lost": self.steps_lost, "failed_step": self.failed_step, "recovery_seconds": self.recovery_seconds, "detect_seconds": self.detect_seconds,
             "relayout_seconds": self.relayout_seconds, "live_devices": self.live_devices}
 
   def line(self) -> str:
-    return (f"step {self.step:6d}  lost process {', '.join(map(str, self.processes))}: redid the step on "
-            f"{self.live_devices} devices, mesh {self.mesh}, grad_accum {self.grad_accum}, "
-            f"{self.recovery_seconds:.1f} s from the failure ({self.detect_seconds:.1f} s to detect it, "
-            f"{self.relayout_seconds:.1f} s to relay out), no step lost")
+    redone = ("redid the step" if self.rolled_back_to is None else
+              f"rolled back to the peer copy of step {self.rolled_back_to} and redid steps "
+              f"{self.rolled_back_to + 1}..{self.failed_step}")
+    return (f"step {self.step:6d}  lost process {', '.join(map(str, self.processes))} during step "
+            f"{self.failed_step}: {redone} on {self.live_devices} devices, mesh {self.mesh}, grad_accum "
+            f"{self.grad_accum}, {self.recovery_seconds:.1f} s from the failure ({self.detect_seconds:.1f} s "
+            f"to detect it, {self.relayout_seconds:.1f} s to relay out), {self.steps_lost} step{'' if self.steps_lost == 1 else 's'} lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +68,25 @@ class Interruptions:
   failed_at: float | None = None  # when the first block that failed began (time.perf_counter)
   known_at: float = 0.0  # when every live process knew of the loss
   before: frozenset[int] = frozenset()  # the run's processes before the loss
+  failed_step: int = 0  # the step the first failed block was taking
   relayout_seconds: float = 0.0
+  rolled_back_to: int | None = None  # the peer copy's step, where the state was rebuilt from copies
 
-  def failed(self, began: float, processes: set[int]) -> "Interruptions":
-    """After a block from `began` over `processes` failed; a recovery is timed from the first failure."""
+  def failed(self, began: float, processes: set[int], step: int) -> "Interruptions":
+    """After a block from `began` over `processes`, taking step `step`, failed; a recovery is timed
+    from the first failure."""
     if self.failed_at is not None:
       return self
-    return dataclasses.replace(self, failed_at=began, known_at=time.perf_counter(), before=frozenset(processes))
+    return dataclasses.replace(self, failed_at=began, known_at=time.perf_counter(), before=frozenset(processes),
+                               failed_step=step)
 
-  def relaid(self, began: float, came_back: tuple[int, ...] | None) -> "Interruptions":
-    """After a block from `began` laid the run out again; `came_back`: the processes back where it grew."""
+  def relaid(self, began: float, came_back: tuple[int, ...] | None, rolled_back_to: int | None) -> "Interruptions":
+    """After a block from `began` laid the run out again; `came_back`: the processes back where it
+    grew; `rolled_back_to`: the peer copy's step, where the state was rebuilt from copies."""
     took = time.perf_counter() - began
     changes = {} if came_back is None else {"rejoined": came_back, "rejoin_seconds": took}
+    if rolled_back_to is not None:
+      changes["rolled_back_to"] = rolled_back_to
     if self.failed_at is not None:  # a shrink after a loss; a mesh growing back follows no failure
       changes["relayout_seconds"] = self.relayout_seconds + took
     return dataclasses.replace(self, **changes)
@@ -81,7 +98,8 @@ class Interruptions:
       told.append(ProcessesRejoined(step, self.rejoined, layout.mesh.size, dict(layout.mesh.shape), grad_accum,
                                     self.rejoin_seconds))
     if self.failed_at is not None:
-      told.append(ProcessesLost(step, tuple(sorted(self.before - processes)), layout.mesh.size,
+      told.append(ProcessesLost(step, self.failed_step, self.rolled_back_to,
+                                tuple(sorted(self.before - processes)), layout.mesh.size,
                                 dict(layout.mesh.shape), grad_accum,
                                 recovery_seconds=time.perf_counter() - self.failed_at,
                                 detect_seconds=self.known_at - self.failed_at,

@@ -91,9 +91,10 @@ def train(config, dry_run: bool = False) -> dict:
              "to train on.")
         last = {}
       else:
-        stepper = SurvivingStepper if surviving else LocalStepper
-        last = _run(config, stepper(config, layout, state, train_split, val_split, stop), checkpoints, stop,
-                    text_tokenizer)
+        stepper = (SurvivingStepper(config, layout, state, train_split, val_split, stop,
+                                    resume_advice=checkpoints.resume_advice) if surviving else
+                   LocalStepper(config, layout, state, train_split, val_split, stop))
+        last = _run(config, stepper, checkpoints, stop, text_tokenizer)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
@@ -166,7 +167,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
                              leave=False) as bar:
     for finished in stepper.steps():
       done, state = finished.step, finished.state
-      bar.update(1)
+      bar.update(done - bar.n)  # a surviving run that rolled back to a peer copy goes back too
       if finished.events:  # processes were lost or came back: saves line up the live ones from here
         checkpoints.reopen_for(processes_of(stepper.layout), step=done)
       for event in finished.events:
@@ -206,8 +207,11 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
 def _protects(config, layout) -> bool:
   """Whether fault_tolerance=survive can protect this run from a lost process; where not, says why in one line."""
   problem = survival_problem(layout)
+  if problem and config.peer_copy_every and jax.process_count() > 1:
+    return True  # the shards on one process are copied into another's memory
   if problem:
-    _log(f"fault_tolerance=survive cannot protect this layout: {problem}; a lost process will end the "
+    copies = "" if jax.process_count() < 2 else "; --config.peer_copy_every=K would keep copies of it in host memory"
+    _log(f"fault_tolerance=survive cannot protect this layout: {problem}{copies}; a lost process will end the "
          "run, and the same command resumes it from the last checkpoint.")
     return False
   return True

@@ -15,7 +15,7 @@ from input_pipeline import data
 from resilience import survive
 from resilience.redundancy import survival_problem
 from resilience.state_transfer import local_move_suffices, move_state, relocate, share_state
-from resilience.survive import Survivor, shrunk_config
+from resilience.survive import Survivor, shrunk_config, spread
 from resilience.survive_events import ProcessesRejoined
 from run.loop import train
 from tools.launch import free_port
@@ -76,11 +76,23 @@ def test_a_lost_process_that_took_state_with_it_ends_the_run_in_a_sentence():
       "last checkpoint.")
 
 
-def test_a_batch_the_survivors_cannot_split_is_refused_in_a_sentence():
+def test_a_batch_the_survivors_cannot_split_runs_exactly_on_fewer_of_them():
+  # 16 rows do not divide over 6 replicas: 4 of them take 4 rows each in 2 micro-batches of 2 (the
+  # rows a device held before), spread so that each of the 3 live processes keeps a device.
   config = tiny_config(**{"mesh.data": 8, "batch_size": 16})
-  smaller, why = shrunk_config(config, dict(plan(config).mesh.shape), 6)
-  assert smaller is None and why == ("batch_size=16 does not split evenly over 6 data-parallel replicas "
-                                     "with at most 2 rows per device")
+  live = [d for d in jax.devices() if TWO_PER_PROCESS(d) != 2]
+  fits = lambda replicas, per_replica: {TWO_PER_PROCESS(d) for d in
+                                        spread(live, replicas, per_replica, TWO_PER_PROCESS)} == {0, 1, 3}
+  smaller, why = shrunk_config(config, dict(plan(config).mesh.shape), 6, fits)
+  assert why is None and (smaller.mesh.data, smaller.grad_accum) == (4, 2)
+  assert [d.id for d in spread(live, 4, 1, TWO_PER_PROCESS)] == [0, 1, 2, 6]  # by process in turn, kept in mesh order
+
+
+def test_survivors_too_few_for_one_replica_are_refused_in_a_sentence():
+  config = tiny_config(**{"mesh.data": 2, "mesh.tensor": 4, "batch_size": 16})
+  smaller, why = shrunk_config(config, dict(plan(config).mesh.shape), 3)
+  assert smaller is None and why == ("3 live devices are fewer than one data-parallel replica's 4 devices "
+                                     "(the other mesh axes)")
 
 
 def test_the_state_moves_onto_the_live_devices_unchanged():
@@ -150,10 +162,11 @@ class NeverStop:
 
 
 def survived_losses(monkeypatch, live_counts):
-  """Four steps of a Survivor started on 6 devices, whose live devices read `live_counts` block by block
-  (one process stands in for several: the growth and the state sharing are the survivors' real code)."""
-  config = tiny_config(**{"mesh.data": 6, "batch_size": 24, "steps": 4, "eval_every": 0})
-  layout = plan(config, devices=jax.devices()[:6])
+  """Four steps of a Survivor started on 8 devices, whose live devices read `live_counts` block by block
+  (one process stands in for several: the shrink, the growth and the state sharing are the survivors'
+  real code)."""
+  config = tiny_config(**{"mesh.data": 8, "batch_size": 24, "steps": 4, "eval_every": 0})
+  layout = plan(config)
   counts = iter(live_counts)
 
   @contextlib.contextmanager
@@ -170,12 +183,13 @@ def survived_losses(monkeypatch, live_counts):
 
 
 def test_survivors_grow_back_when_devices_return_and_train_on_unchanged(monkeypatch):
-  # Two steps on 6 devices, then 8 are live: one block relays out to data=8 and shares the state onto
-  # the 2 returning devices; the last two steps run there. The losses equal a run that stays on 6
-  # (the same global batch; the reduction order changes with the mesh).
-  grown, survivor = survived_losses(monkeypatch, [6, 6, 8, 8, 8])
+  # 6 devices live from the start: one block shrinks to data=6; two steps there, then 8 are live: one
+  # block relays out to data=8 and shares the state onto the 2 returning devices; the last two steps
+  # run there. The losses equal a run that stays on 6 (the same global batch; the reduction order
+  # changes with the mesh).
+  grown, survivor = survived_losses(monkeypatch, [6, 6, 6, 8, 8, 8])
   assert survivor.layout.mesh.size == 8 and survivor.config.mesh.data == 8
-  stayed, _ = survived_losses(monkeypatch, [6] * 4)
+  stayed, _ = survived_losses(monkeypatch, [6] * 5)
   np.testing.assert_allclose(grown, stayed, rtol=1e-5)
 
 

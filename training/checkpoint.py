@@ -87,6 +87,13 @@ class Checkpoints:
       self._manager.reload()
     return later, folder
 
+  def resume_advice(self) -> str:
+    """What a run that cannot go on tells its user to do, naming the checkpoint there is, if any."""
+    good = self._finished_steps()
+    if good:
+      return f"run the same command again to resume from checkpoint step {good[-1]}"
+    return "no checkpoint has been saved, so the same command run again starts over from step 0"
+
   def resume_before(self, step: int) -> str:
     """The flag that resumes from the newest checkpoint before `step`, for a refusal of `step`."""
     earlier = [s for s in self.steps() if s < step]
@@ -96,7 +103,9 @@ class Checkpoints:
     """Start an async save when `step` is due (or forced); returns once the arrays are copied."""
     # The schedule is decided here, not by orbax, whose default also saves the first step.
     due = force or (self.every > 0 and step % self.every == 0)
-    if not due or step == self._manager.latest_step():
+    # A step already saved is kept: a surviving run that rolled back to a peer copy redoes steps it
+    # may have saved, and their redone state is the same (batch `s` is a pure function of (seed, s)).
+    if not due or step in self._manager.all_steps():
       return
     self.directory.mkdir(parents=True, exist_ok=True)
     self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))

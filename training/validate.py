@@ -84,6 +84,10 @@ def check_run(config) -> None:
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
+  _at_least(config, "peer_copy_every", 0, ": steps between peer copies (0: none)")
+  if config.peer_copy_every and config.fault_tolerance != "survive":
+    raise ValueError(f"peer_copy_every={config.peer_copy_every} keeps copies for a run that survives a lost "
+                     "process; add --config.fault_tolerance=survive, or leave peer_copy_every at 0.")
   if config.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use {' or '.join(NONFINITE_POLICIES)}.")
   _check_workdir(config.workdir)
