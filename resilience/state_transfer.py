@@ -25,11 +25,12 @@ from training.state import Layout
 _ALL = "all"  # the one axis of the mesh the shares are summed over
 
 
-def relocate(state, before: Layout, after: Layout) -> dict:
-  """`state`, laid out on `before`'s mesh, on `after`'s; the same call on every live process."""
+def relocate(state, before: Layout, after: Layout, live) -> dict:
+  """`state`, laid out on `before`'s mesh, on `after`'s (over some of the `live` devices); the same
+  call on every live process."""
   if local_move_suffices(before, after):
     return move_state(state, after)
-  return share_state(state, after, holders=before.mesh.devices.flat)
+  return share_state(state, after, holders=set(before.mesh.devices.flat) & set(live))
 
 
 def local_move_suffices(before: Layout, after: Layout, process_of=lambda device: device.process_index) -> bool:
@@ -66,9 +67,13 @@ def share_state(state, layout: Layout, holders) -> dict:
   """`state` on `layout`'s mesh, where only the devices in `holders` hold it.
 
   `state` is this process's state on its old mesh or, on a process that holds none, its abstract
-  shapes. Each shard is taken from the first holder (by device id) that is on the new mesh.
+  shapes. Each shard is taken from the first holder (by device id) whose process has a device on the
+  new mesh, and put in there.
   """
-  sources = set(holders) & set(layout.mesh.devices.flat)
+  entry = {}  # process -> its first device on the new mesh, where what it sends goes in
+  for device in layout.mesh.devices.flat:
+    entry.setdefault(device.process_index, device)
+  sources = {device for device in holders if device.process_index in entry}
 
   def share(leaf, sharding):
     shape = tuple(leaf.shape)
@@ -82,8 +87,11 @@ def share_state(state, layout: Layout, holders) -> dict:
       if set(placed.values()) - first_holder.keys():
         raise ValueError(f"a shard of a state leaf of shape {shape} has no copy on the live devices, "
                          "so the state cannot be rebuilt; resume from the last checkpoint.")
-    pieces = {device: [(shard.index, shard.data)] for device, shard in held.items()
-              if first_holder.get(shard_key(shard.index, shape)) == device}
+    pieces: dict = {}
+    for device, shard in held.items():
+      if first_holder.get(shard_key(shard.index, shape)) == device:
+        at = device if device in set(sharding.mesh.devices.flat) else entry[device.process_index]
+        pieces.setdefault(at, []).append((shard.index, jax.device_put(shard.data, at)))
     return assemble(pieces, shape, leaf.dtype, sharding)
 
   return jax.tree.map(share, state, layout.state_shardings)

@@ -84,15 +84,25 @@ def replica_shape(mesh_shape, group: int) -> tuple[int, int]:
 
 
 def spread(live: list, replicas: int, per_replica: int, process_of=lambda device: device.process_index) -> list:
-  """`replicas` runs of `per_replica` consecutive `live` devices (the mesh's replicas), taken from the
-  processes in turn so that each keeps work where it can, in their order in `live`."""
+  """The devices of `replicas` replicas of `per_replica` devices each, from `live`, such that every
+  process keeps work where there are devices enough (a process out of the mesh could not read the
+  step's metrics): whole runs of consecutive devices (as the mesh was laid out) taken from the
+  processes in turn where that covers them all, else devices taken from the processes in turn (a
+  model-parallel replica over processes leaves survivors that no whole runs cover)."""
   units = [tuple(live[i:i + per_replica]) for i in range(0, len(live) - per_replica + 1, per_replica)]
+  chosen = set(_in_turn(units, lambda unit: process_of(unit[0]))[:replicas])
+  devices = [device for unit in units if unit in chosen for device in unit]
+  if {process_of(d) for d in devices} == {process_of(d) for d in live}:
+    return devices
+  return _in_turn(live, process_of)[:replicas * per_replica]
+
+
+def _in_turn(items: list, process_of) -> list:
+  """`items` taken from each process in turn: the first of every process, then the second..."""
   by_process: dict[int, list] = {}
-  for unit in units:
-    by_process.setdefault(process_of(unit[0]), []).append(unit)
-  in_turn = [unit for turn in itertools.zip_longest(*by_process.values()) for unit in turn if unit]
-  chosen = set(in_turn[:replicas])
-  return [device for unit in units if unit in chosen for device in unit]
+  for item in items:
+    by_process.setdefault(process_of(item), []).append(item)
+  return [item for turn in itertools.zip_longest(*by_process.values()) for item in turn if item is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +246,7 @@ class Survivor:
     laid_out = self._relayout(live, step, grow)
     came_back = tuple(sorted(processes_of(laid_out.layout) - processes_of(self.layout))) if grow else None
     if grow or lost_shard(self.layout, live) is None:
-      return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout)), came_back, None)
+      return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout, live)), came_back, None)
     kept = self.copies.kept
     rebuilt = kept.restore(laid_out.layout, {d.process_index for d in live}, jax.process_index())
     return _Relaid(laid_out, jax.block_until_ready(rebuilt), came_back, kept.step)
@@ -248,8 +258,8 @@ class Survivor:
     config, shape = self._first if grow else (self.config, dict(self.layout.mesh.shape))
     ordered = [device for device in self._all_devices if device in set(live)]
     processes = {device.process_index for device in ordered}
-    fits = lambda replicas, per_replica: {d.process_index for d in spread(ordered, replicas, per_replica)} == processes
-    smaller, why = shrunk_config(config, shape, len(ordered), fits)
+    smaller, why = shrunk_config(config, shape, len(ordered),
+                                 fits=lambda replicas, per_replica: replicas * per_replica >= len(processes))
     why = (None if grow else self._unrecoverable(live)) or why  # a lost shard first: no mesh brings it back
     layout = None
     if why is None:
