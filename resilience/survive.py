@@ -150,6 +150,7 @@ class Survivor:
     self._laid_out = LaidOut(layout, config, train_step, eval_step, frozenset(self._all_devices))
     self._copy_every = config.peer_copy_every
     self.copies = self._copies_for(layout)
+    self._prepared: LaidOut | None = None  # laid out over the live devices, the state not yet moved
 
   @property
   def layout(self) -> Layout:
@@ -176,16 +177,19 @@ class Survivor:
     Waits in the live processes' next step boundary, where they see more live devices than their
     mesh and grow it (`steps`): the same block, the same layout and the same transfer on both sides.
     """
-    while True:
-      began = time.perf_counter()
+    began, laid_out, state = time.perf_counter(), None, None
+    while state is None:
       try:
         with live_devices(self._all_devices) as live:
-          laid_out = self._relayout(live, grow=True)
-          state = jax.block_until_ready(share_state(abstract_state, laid_out.layout, holders=()))
+          # As on the live processes (`_shrink_or_grow`): laid out in one block, the state in the next.
+          if laid_out is None or laid_out.live != frozenset(live):
+            laid_out = self._relayout(live, grow=True)
+          else:
+            state = jax.block_until_ready(share_state(abstract_state, laid_out.layout, holders=()))
       except ProcessFailureError:
-        continue  # a process lost during the transfer: the live ones lay out again, and so does this one
-      self._laid_out = laid_out
-      return state, Interruptions(rejoined=(jax.process_index(),), rejoin_seconds=time.perf_counter() - began)
+        laid_out = None  # a process lost meanwhile: the live ones lay out again, and so does this one
+    self._laid_out = laid_out
+    return state, Interruptions(rejoined=(jax.process_index(),), rejoin_seconds=time.perf_counter() - began)
 
   def steps(self, state, start: int, stop, interruptions: Interruptions = Interruptions()) -> Iterator[StepDone]:
     """Yields each step done up to config.steps, with what befell the processes since the one before.
@@ -195,32 +199,52 @@ class Survivor:
     a process lost during either fails the block, like one lost during the step. A step rebuilt from
     peer copies rolls back to their step, and the steps since are done again.
     """
-    step = start
-    while step < self.config.steps:
+    self._interruptions, self._step_count = interruptions, start
+    while self._step_count < self.config.steps:
       began = time.perf_counter()
       try:
         with live_devices(self._all_devices) as live:
           # Relaid out in a block of its own: its closing barrier lines the processes up again
           # before the next step's collectives, whatever each spent compiling.
-          outcome = (self._step(state, step, stop, live) if set(live) == self._laid_out.live
-                     else self._shrink_or_grow(state, step, live))
+          outcome = (self._step(state, self._step_count, stop, live) if set(live) == self._laid_out.live
+                     else self._shrink_or_grow(state, self._step_count, live))
       except ProcessFailureError:
-        if self.copies:
-          self.copies.block_failed()
-        interruptions = interruptions.failed(began, processes_of(self.layout), step + 1)
+        self._failed(began)
         continue
       if self.copies:
         self.copies.block_done()
+      if outcome is None:  # laid out and compiled; the state moves in the next block
+        self._interruptions = self._interruptions.relaid(began, None, None)
+        continue
       if isinstance(outcome, _Relaid):
-        interruptions = interruptions.relaid(began, outcome.came_back, outcome.rolled_back_to)
+        self._interruptions = self._interruptions.relaid(began, outcome.came_back, outcome.rolled_back_to)
         self._laid_out, state = outcome.laid_out, outcome.state
         self.copies = self._copies_for(self.layout)
-        step = int(jax.device_get(state["step"]))
+        self._step_count = int(jax.device_get(state["step"]))
         continue
-      state, step = outcome.state, step + 1
-      events = interruptions.events(step, self.layout, self.config.grad_accum, processes_of(self.layout))
-      yield StepDone(step, state, outcome.metrics, outcome.stop, events, outcome.eval_loss)
-      interruptions = Interruptions()
+      state, self._step_count = outcome.state, self._step_count + 1
+      events = self._interruptions.events(self._step_count, self.layout, self.config.grad_accum,
+                                          processes_of(self.layout))
+      self._interruptions = Interruptions()
+      yield StepDone(self._step_count, state, outcome.metrics, outcome.stop, events, outcome.eval_loss)
+
+  def guarded(self, action: Callable[[], None]) -> bool:
+    """Runs `action` (a checkpoint save: its collectives and barriers) in a protected block of its
+    own; False where a process was lost during it, which the next step's block then recovers from."""
+    began = time.perf_counter()
+    try:
+      with live_devices(self._all_devices):
+        action()
+    except ProcessFailureError:
+      self._failed(began)
+      return False
+    return True
+
+  def _failed(self, began: float) -> None:
+    """After a block from `began` failed: copies not yet kept are dropped, and the loss is timed."""
+    if self.copies:
+      self.copies.block_failed()
+    self._interruptions = self._interruptions.failed(began, processes_of(self.layout), self._step_count + 1)
 
   def _step(self, state, step: int, stop, live) -> _Stepped:
     """Step `step` + 1 on the current layout, the stop vote, the evaluation where due, and the peer
@@ -239,11 +263,19 @@ class Survivor:
       self.copies.after_step(new_state, step + 1)
     return _Stepped(new_state, metrics, stopping, eval_loss)
 
-  def _shrink_or_grow(self, state, step: int, live) -> _Relaid:
+  def _shrink_or_grow(self, state, step: int, live) -> _Relaid | None:
     """The run laid out over the `live` devices, after `step` steps, with `state` moved there: from
-    the live devices where they hold every shard, else rolled back to the last peer copy."""
+    the live devices where they hold every shard, else rolled back to the last peer copy.
+
+    Two blocks: the first lays out and compiles (None), the next moves the state. The barrier that
+    closes the first lines the processes up, however long each took to compile, so none waits in
+    the transfer's collectives for longer than they wait for a peer (which reads as a lost one).
+    """
     grow = not set(live) <= self._laid_out.live  # a process came back
-    laid_out = self._relayout(live, step, grow)
+    if self._prepared is None or self._prepared.live != frozenset(live):
+      self._prepared = self._relayout(live, step, grow)
+      return None
+    laid_out, self._prepared = self._prepared, None
     came_back = tuple(sorted(processes_of(laid_out.layout) - processes_of(self.layout))) if grow else None
     if grow or lost_shard(self.layout, live) is None:
       return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout, live)), came_back, None)
@@ -319,6 +351,9 @@ class SurvivingStepper(Stepper):
 
   def evaluate(self, done: StepDone) -> float:
     return done.eval_loss  # evaluated inside the step's block: a process lost during it fails the step
+
+  def guarded(self, action) -> bool:
+    return self._survivor.guarded(action)
 
 
 def processes_of(layout: Layout) -> set[int]:

@@ -67,7 +67,8 @@ def train(config, dry_run: bool = False) -> dict:
   # Synthetic data carries no text: its checkpoints record no tokenizer, and resume on any.
   synthetic = train_split.origin == "synthetic"
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
-                            joining=joining, tokenizer=None if synthetic else tokenizer_record(text_tokenizer))
+                            joining=joining, tokenizer=None if synthetic else tokenizer_record(text_tokenizer),
+                            surviving_log=_log if surviving else None)
   lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
@@ -185,16 +186,20 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
         interval_start, interval_from = time.perf_counter(), done
         refusal = nonfinite.refusal(done, last["skipped"])
         if refusal:
-          checkpoints.save_now(done, state, config)  # skipped steps left the state as it was: good
+          stepper.guarded(lambda: checkpoints.save_now(done, state, config))  # skipped steps left it good
           raise ValueError(refusal)
       if eval_due(config, done):
         last["eval_loss"] = stepper.evaluate(finished)
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
-      checkpoints.save(done, state, config, force=done == config.steps)
+      # A surviving run saves in a protected block: a process lost during a save abandons the save,
+      # and the next step recovers from the loss.
+      if not stepper.guarded(lambda: checkpoints.save(done, state, config, force=done == config.steps)):
+        _log(f"step {done:6d}  a process was lost while saving: the save was abandoned, the checkpoints "
+             "saved before it stay readable, and the next step recovers from the loss")
       checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
       if finished.stop:
-        checkpoints.save_now(done, state, config)
+        stepper.guarded(lambda: checkpoints.save_now(done, state, config))
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
         return last

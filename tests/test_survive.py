@@ -189,13 +189,13 @@ def survived_losses(monkeypatch, live_counts):
 
 
 def test_survivors_grow_back_when_devices_return_and_train_on_unchanged(monkeypatch):
-  # 6 devices live from the start: one block shrinks to data=6; two steps there, then 8 are live: one
-  # block relays out to data=8 and shares the state onto the 2 returning devices; the last two steps
-  # run there. The losses equal a run that stays on 6 (the same global batch; the reduction order
-  # changes with the mesh).
-  grown, survivor = survived_losses(monkeypatch, [6, 6, 6, 8, 8, 8])
+  # 6 devices live from the start: two blocks shrink to data=6 (one lays out, one moves the state);
+  # two steps there, then 8 are live: two blocks relay out to data=8 and share the state onto the 2
+  # returning devices; the last two steps run there. The losses equal a run that stays on 6 (the same
+  # global batch; the reduction order changes with the mesh).
+  grown, survivor = survived_losses(monkeypatch, [6, 6, 6, 6, 8, 8, 8, 8])
   assert survivor.layout.mesh.size == 8 and survivor.config.mesh.data == 8
-  stayed, _ = survived_losses(monkeypatch, [6] * 5)
+  stayed, _ = survived_losses(monkeypatch, [6] * 6)
   np.testing.assert_allclose(grown, stayed, rtol=1e-5)
 
 

@@ -30,10 +30,12 @@ class Checkpoints:
   """The checkpoints of one workdir."""
 
   def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False,
-               tokenizer: dict | None = None):
+               tokenizer: dict | None = None, surviving_log=None):
     """`keep` None keeps all (validate.py asks for >= 1). A process `joining` a run in progress opens
     the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier.
-    `tokenizer` (tokenizer_record) is saved with each checkpoint; None saves none."""
+    `tokenizer` (tokenizer_record) is saved with each checkpoint; None saves none. `surviving_log`
+    (a surviving run's): a save that a lost process broke is told to it in a line, and the run goes on."""
+    self._surviving_log = surviving_log
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     self._tokenizer = tokenizer
@@ -137,6 +139,12 @@ class Checkpoints:
       if free < needed or _out_of_space(error):
         advice = (f"one needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. {newest}: "
                   "make room, then run the same command to resume.")
+      elif _lost_process(error) and self._surviving_log:
+        # The survivors recover from the state in memory; the save is left as a temporary folder,
+        # and the checkpoints already saved stay as they were.
+        self._surviving_log(f"a process was lost during a checkpoint save ({_first_line(error)}); the save was "
+                            f"abandoned and the run goes on. {newest}.")
+        return
       elif _lost_process(error):
         advice = (f"another process of the run was lost during the save ({free / 2**20:.0f} MiB are free: not a "
                   f"full disk). {newest}: run the same command to resume.")

@@ -8,7 +8,7 @@ resilience/survive.py's `SurvivingStepper`.
 
 import abc
 import dataclasses
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import jax
 import numpy as np
@@ -53,6 +53,12 @@ class Stepper(abc.ABC):
   @abc.abstractmethod
   def evaluate(self, done: StepDone) -> float:
     """The eval loss after step `done`."""
+
+  def guarded(self, action: Callable[[], None]) -> bool:
+    """Runs `action`, which may hold collectives between processes (a checkpoint save); False where
+    it was abandoned because a process was lost during it (survive mode)."""
+    action()
+    return True
 
   def __enter__(self):
     return self
