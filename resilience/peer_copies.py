@@ -185,11 +185,14 @@ class PeerCopies:
     if step % self.every == 0:
       self._sent = Snapshot(self.plan, step, state, self.plan.send(state))
 
-  def block_done(self) -> None:
-    """After a block that succeeded on every live process: the copy that arrived in it is kept."""
-    if self._arriving is not None:
-      self.kept, self._arriving = self._arriving, None
-      self.kept.keep()
+  def block_done(self) -> Snapshot | None:
+    """After a block that succeeded on every live process: the copy that arrived in it is kept (and
+    returned)."""
+    if self._arriving is None:
+      return None
+    self.kept, self._arriving = self._arriving, None
+    self.kept.keep()
+    return self.kept
 
   def block_failed(self) -> None:
     """After a block that failed: copies not yet kept may be incomplete somewhere, and are dropped."""

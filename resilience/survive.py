@@ -31,7 +31,7 @@ from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from resilience.peer_copies import PeerCopies
 from resilience.redundancy import lost_shard, survival_problem
 from resilience.state_transfer import relocate, share_state
-from resilience.survive_events import Interruptions
+from resilience.survive_events import Interruptions, PeerCopyKept
 from training.state import Layout, abstract_inputs, plan
 from training.step import make_eval_step, make_train_step
 from training.stepper import StepDone, Stepper, eval_due, eval_loss
@@ -122,6 +122,8 @@ class _Stepped:
   metrics: dict
   stop: bool
   eval_loss: float | None
+  eval_seconds: float
+  data_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,7 @@ class Survivor:
     self._copy_every = config.peer_copy_every
     self.copies = self._copies_for(layout)
     self._prepared: LaidOut | None = None  # laid out over the live devices, the state not yet moved
+    self._told, self._copies_told = (), None  # events for the next step; the copies whose first was told
 
   @property
   def layout(self) -> Layout:
@@ -212,9 +215,9 @@ class Survivor:
         self._failed(began)
         continue
       if self.copies:
-        self.copies.block_done()
+        self._tell_first_copy(self.copies.block_done())
       if outcome is None:  # laid out and compiled; the state moves in the next block
-        self._interruptions = self._interruptions.relaid(began, None, None)
+        self._interruptions = self._interruptions.compiled(began)
         continue
       if isinstance(outcome, _Relaid):
         self._interruptions = self._interruptions.relaid(began, outcome.came_back, outcome.rolled_back_to)
@@ -224,9 +227,17 @@ class Survivor:
         continue
       state, self._step_count = outcome.state, self._step_count + 1
       events = self._interruptions.events(self._step_count, self.layout, self.config.grad_accum,
-                                          processes_of(self.layout))
-      self._interruptions = Interruptions()
-      yield StepDone(self._step_count, state, outcome.metrics, outcome.stop, events, outcome.eval_loss)
+                                          processes_of(self.layout)) + self._told
+      self._interruptions, self._told = Interruptions(), ()
+      yield StepDone(self._step_count, state, outcome.metrics, outcome.stop, events, outcome.eval_loss,
+                     outcome.eval_seconds, outcome.data_seconds)
+
+  def _tell_first_copy(self, kept) -> None:
+    """The first copy kept on a layout is told with the next step: what it sent and what it holds."""
+    if kept is not None and self._copies_told is not self.copies:
+      self._copies_told = self.copies
+      self._told += (PeerCopyKept(kept.step, self.copies.every, self.copies.plan.bytes_sent(self.layout),
+                                  kept.host_bytes()),)
 
   def guarded(self, action: Callable[[], None]) -> bool:
     """Runs `action` (a checkpoint save: its collectives and barriers) in a protected block of its
@@ -250,18 +261,22 @@ class Survivor:
     """Step `step` + 1 on the current layout, the stop vote, the evaluation where due, and the peer
     copy: the last one sent arrives during this step, and one of this step's state leaves when due."""
     config, layout = self.config, self.layout
+    began = time.perf_counter()
     batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
                               seq_len=layout.model.max_len, sharding=layout.batch_sharding)
+    data_seconds = time.perf_counter() - began
     new_state, metrics = self.compiled(state, batch)
     if self.copies:
       self.copies.before_step()
     new_state, metrics = jax.block_until_ready((new_state, metrics))
     stopping = stop.requested(step + 1, config.log_every, live)
+    began = time.perf_counter()
     eval_loss = (self._evaluate(self._laid_out.eval_step, layout, new_state["params"])
                  if self._eval_due(step + 1) else None)
+    eval_seconds = time.perf_counter() - began
     if self.copies:
       self.copies.after_step(new_state, step + 1)
-    return _Stepped(new_state, metrics, stopping, eval_loss)
+    return _Stepped(new_state, metrics, stopping, eval_loss, eval_seconds, data_seconds)
 
   def _shrink_or_grow(self, state, step: int, live) -> _Relaid | None:
     """The run laid out over the `live` devices, after `step` steps, with `state` moved there: from

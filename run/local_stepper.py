@@ -1,5 +1,6 @@
 """The local stepper: steps on the mesh as planned (survive mode's stepper is resilience/survive.py's)."""
 
+import time
 from typing import Iterator
 
 import jax
@@ -44,7 +45,13 @@ class LocalStepper(Stepper):
   def steps(self) -> Iterator[StepDone]:
     """Each step's metrics stay on device; a log step's are ready when it is yielded."""
     in_flight, log_every = StepsInFlight(), self._config.log_every
-    for step, batch in self._batches:
+    while True:
+      asked = time.perf_counter()
+      try:
+        step, batch = next(self._batches)
+      except StopIteration:
+        return
+      waited = time.perf_counter() - asked  # the prefetcher was behind
       done = step + 1
       self._profiler.before(done)
       with self._profiler.annotate(done):
@@ -53,7 +60,7 @@ class LocalStepper(Stepper):
       self._profiler.after(done, self.state)
       if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
         jax.block_until_ready(pending)
-      yield StepDone(done, self.state, pending, stop=self._stop.requested(done, log_every))
+      yield StepDone(done, self.state, pending, stop=self._stop.requested(done, log_every), data_seconds=waited)
 
   def evaluate(self, done: StepDone) -> float:
     return eval_loss(self._eval_step, self.layout, done.state["params"], split=self._val_split,

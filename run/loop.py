@@ -10,7 +10,9 @@ from tqdm import tqdm
 from input_pipeline import data
 from input_pipeline.tokenizer import run_tokenizer
 from interop import hf_checkpoint
+from measure import goodput
 from measure.dry_run import report
+from measure.goodput import Ledger, steps_logged
 from measure.profiling import parse_steps
 from parallel import distributed
 from resilience.preemption import StopRequests
@@ -33,6 +35,7 @@ SAMPLE_TEMPERATURE = 0.8  # the closing sample's; sample.py takes any
 
 def train(config, dry_run: bool = False) -> dict:
   """Train per `config`; returns the last logged metrics (and the final eval loss, if any)."""
+  ledger = Ledger(done_before=steps_logged(config.workdir))  # what this start does again was done before
   distributed.initialize(config.distributed, survive=config.fault_tolerance == "survive")
   pretrained = hf_checkpoint.open_init_from(config.init_from)
   if pretrained is not None:
@@ -85,17 +88,20 @@ def train(config, dry_run: bool = False) -> dict:
       elif start is None:
         state = init_state(layout, config.seed)
       else:
-        state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
+        with ledger.timing("checkpoint_restore"):
+          state = _restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
         _log(f"resuming from step {start} in {checkpoints.directory}")
       if start == config.steps:  # restored all the same, so a checkpoint of another model is refused
         _log(f"step {start} is the last of steps={config.steps}: nothing to train; raise --config.steps "
              "to train on.")
         last = {}
       else:
-        stepper = (SurvivingStepper(config, layout, state, train_split, val_split, stop,
-                                    resume_advice=checkpoints.resume_advice) if surviving else
-                   LocalStepper(config, layout, state, train_split, val_split, stop))
-        last = _run(config, stepper, checkpoints, stop, text_tokenizer)
+        with ledger.timing("compile"):  # both steppers compile their steps ahead
+          stepper = (SurvivingStepper(config, layout, state, train_split, val_split, stop,
+                                      resume_advice=checkpoints.resume_advice) if surviving else
+                     LocalStepper(config, layout, state, train_split, val_split, stop))
+        ledger.add("startup", ledger.unaccounted())  # everything before the first step but the above
+        last = _run(config, stepper, checkpoints, stop, text_tokenizer, ledger)
   finally:
     checkpoints.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
@@ -147,8 +153,10 @@ def _resume_step(checkpoints: Checkpoints, resume: str) -> int | None:
   return int(resume)
 
 
-def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests, text_tokenizer) -> dict:
-  """Trains with `stepper` from its state to config.steps: logs, evaluates, saves and stops."""
+def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests, text_tokenizer,
+         ledger: Ledger) -> dict:
+  """Trains with `stepper` from its state to config.steps: logs, evaluates, saves and stops; `ledger`
+  gets the time of each, and is written with each log step and told at the end."""
   state, layout = stepper.state, stepper.layout
   start = int(state["step"])
   if stop.signal_name and jax.process_count() == 1:  # several processes agree at the first log step
@@ -156,23 +164,26 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
     return {}
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
-  writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config)
+  writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config, keep=goodput.is_ledger)
   active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
   _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
 
-  last, interval_start, interval_from = {}, time.perf_counter(), start
+  last, interval_start, interval_from, done = {}, time.perf_counter(), start, start
   nonfinite = NonfiniteUpdates(config.nonfinite, start, int(jax.device_get(state["skipped"])))
   tokens_per_step = config.batch_size * layout.model.max_len
   with stepper, writer, tqdm(initial=start, total=config.steps, disable=jax.process_index() != 0,
                              leave=False) as bar:
     for finished in stepper.steps():
       done, state = finished.step, finished.state
+      ledger.add("data_wait", finished.data_seconds)
+      ledger.add("evaluation", finished.eval_seconds)
       bar.update(done - bar.n)  # a surviving run that rolled back to a peer copy goes back too
-      if finished.events:  # processes were lost or came back: saves line up the live ones from here
+      if any(event.changes_processes for event in finished.events):
         checkpoints.reopen_for(processes_of(stepper.layout), step=done)
       for event in finished.events:
         writer.write(done, event.record())
+        ledger.lost_process(event.record())
         _log(event.line())
       if done % config.log_every == 0 or done == config.steps:
         fetched = jax.device_get(finished.metrics)
@@ -182,6 +193,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
                 "skipped": int(fetched["skipped"]), "peak_bytes": stepper.peak_bytes, **_optional_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
+        writer.write(done, ledger.record())
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
         refusal = nonfinite.refusal(done, last["skipped"])
@@ -189,23 +201,35 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
           stepper.guarded(lambda: checkpoints.save_now(done, state, config))  # skipped steps left it good
           raise ValueError(refusal)
       if eval_due(config, done):
-        last["eval_loss"] = stepper.evaluate(finished)
+        with ledger.timing("evaluation"):
+          last["eval_loss"] = stepper.evaluate(finished)
         writer.write(done, {"eval_loss": last["eval_loss"]})
         _log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
+      ledger.step(done)  # before the save: a save that a lost process broke is the next step's to tell
       # A surviving run saves in a protected block: a process lost during a save abandons the save,
       # and the next step recovers from the loss.
-      if not stepper.guarded(lambda: checkpoints.save(done, state, config, force=done == config.steps)):
+      saving = time.perf_counter()
+      saved = stepper.guarded(lambda: checkpoints.save(done, state, config, force=done == config.steps))
+      checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
+      if saved:  # else the time went to finding the loss, which the next step's event tells the ledger
+        ledger.add("checkpoint_save", time.perf_counter() - saving)
+      else:
         _log(f"step {done:6d}  a process was lost while saving: the save was abandoned, the checkpoints "
              "saved before it stay readable, and the next step recovers from the loss")
-      checkpoints.check()  # a failed async save (a full disk) stops the run now, not at the next save
       if finished.stop:
-        stepper.guarded(lambda: checkpoints.save_now(done, state, config))
+        with ledger.timing("checkpoint_save"):
+          stepper.guarded(lambda: checkpoints.save_now(done, state, config))
         _log(f"stopped by {stop.signal_name} after step {done}; saved a checkpoint there, "
              "run the same command to resume.")
-        return last
-  checkpoints.wait()
-  if config.sample_tokens:
-    _log("sample: " + _sample(stepper.layout, state["params"], config, text_tokenizer))
+        break
+    else:
+      with ledger.timing("checkpoint_save"):
+        checkpoints.wait()
+      if config.sample_tokens:
+        _log("sample: " + _sample(stepper.layout, state["params"], config, text_tokenizer))
+    record = ledger.record()
+    writer.write(done, record)
+  _log("where the wall time went:\n" + goodput.table({"this run": goodput.attempt_totals(record)}))
   return last
 
 

@@ -19,6 +19,7 @@ from training.state import Layout
 
 class Event(Protocol):
   """Something that befell the run's processes before a step: its metrics record and its log line."""
+  changes_processes: bool  # the run's processes changed: saves line up the live ones from here
 
   def record(self) -> dict: ...
 
@@ -34,6 +35,8 @@ class StepDone:
   stop: bool = False  # the processes agreed to stop here (a signal)
   events: tuple[Event, ...] = ()  # what changed the run's processes since the last step, oldest first
   eval_loss: float | None = None  # where the stepper evaluates with the step (survive mode)
+  eval_seconds: float = 0.0  # what that evaluation took
+  data_seconds: float = 0.0  # waiting for the step's batch
 
 
 class Stepper(abc.ABC):
