@@ -42,6 +42,8 @@ class CopyPlan:
   """The copies under one layout, decided from its shardings alone: the same on every process."""
 
   def __init__(self, layout: Layout, process_of=lambda device: device.process_index):
+    """`process_of` maps a device to the process that hosts it (tests pretend several processes)."""
+    self.process_of = process_of
     self.devices = list(layout.mesh.devices.flat)
     processes = sorted({process_of(device) for device in self.devices})
     self.next_in_ring = {p: processes[(i + 1) % len(processes)] for i, p in enumerate(processes)}
@@ -126,7 +128,8 @@ class Snapshot:
       self.own = [{k: np.asarray(v) for k, v in leaf.items()} for leaf in self._own_on_device]
       self.peer = [{k: np.asarray(v) for k, v in leaf.items()} for leaf in self._peer_on_device]
       self._own_on_device = self._peer_on_device = None
-    self._to_host = threading.Thread(target=to_host, name="meshlm-peer-copy", daemon=True)
+    # Not a daemon: a process ending mid-copy waits for it rather than tear the runtime down under it.
+    self._to_host = threading.Thread(target=to_host, name="meshlm-peer-copy")
     self._to_host.start()
 
   def host_bytes(self) -> int:
@@ -135,7 +138,7 @@ class Snapshot:
 
   def missing(self, live_processes: set[int]) -> str | None:
     """Why the state at `step` cannot be rebuilt on `live_processes` (one sentence), or None."""
-    for leaf in self.plan.leaves:
+    for leaf in sorted(self.plan.leaves, key=lambda leaf: not leaf.name.startswith("params")):  # a leaf users know
       for key, held_by in leaf.holders.items():
         if not held_by & live_processes and leaf.keeper.get(key) not in live_processes:
           return (f"{leaf.name} shard {_slices(key)} was held only by process {', '.join(map(str, sorted(held_by)))}"
@@ -143,23 +146,26 @@ class Snapshot:
                   + ", all lost")
     return None
 
-  def restore(self, layout: Layout, live_processes: set[int], process: int) -> dict:
+  def restore(self, layout: Layout, live_processes: set[int], hosted=lambda process: process == jax.process_index()):
     """The state at `step` laid out on `layout` (over live devices only); the same call on every live
-    process, `process` being this one. Each shard is put in once: by the first live process whose
-    devices held it, else by the keeper of its peer copy."""
+    process, `hosted(process)` telling the processes this one is. Each shard is put in once: by the
+    first live process whose devices held it, else by the keeper of its peer copy, on its first
+    device of the new mesh."""
     self._to_host.join()
-    first_device = next(d for d in layout.mesh.devices.flat if d.process_index == process)
+    entry = {}
+    for device in layout.mesh.devices.flat:
+      entry.setdefault(self.plan.process_of(device), device)
     leaves = []
     for i, (leaf, abstract, sharding) in enumerate(zip(self.plan.leaves, jax.tree.leaves(layout.abstract_state),
                                                        jax.tree.leaves(layout.state_shardings))):
-      mine = []
+      pieces: dict = {}
       for key, held_by in leaf.holders.items():
         live_holders = held_by & live_processes
         sender = min(live_holders) if live_holders else leaf.keeper[key]
-        if sender == process:
+        if hosted(sender):
           value = self.own[i][key] if live_holders else self.peer[i][key]
-          mine.append((tuple(slice(*pair) for pair in key), value))
-      leaves.append(assemble({first_device: mine}, tuple(abstract.shape), abstract.dtype, sharding))
+          pieces.setdefault(entry[sender], []).append((tuple(slice(*pair) for pair in key), value))
+      leaves.append(assemble(pieces, tuple(abstract.shape), abstract.dtype, sharding))
     return jax.tree.unflatten(jax.tree.structure(layout.abstract_state), leaves)
 
 
@@ -167,9 +173,9 @@ class PeerCopies:
   """A surviving run's copies: the one sent after the last step, the one arriving during this
   step's block, and the last one every live process has kept."""
 
-  def __init__(self, layout: Layout, every: int):
+  def __init__(self, layout: Layout, every: int, process_of=lambda device: device.process_index):
     self.every = every
-    self.plan = CopyPlan(layout)
+    self.plan = CopyPlan(layout, process_of)
     self._sent: Snapshot | None = None
     self._arriving: Snapshot | None = None
     self.kept: Snapshot | None = None

@@ -295,7 +295,7 @@ class Survivor:
     if grow or lost_shard(self.layout, live) is None:
       return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout, live)), came_back, None)
     kept = self.copies.kept
-    rebuilt = kept.restore(laid_out.layout, {d.process_index for d in live}, jax.process_index())
+    rebuilt = kept.restore(laid_out.layout, {d.process_index for d in live})
     return _Relaid(laid_out, jax.block_until_ready(rebuilt), came_back, kept.step)
 
   def _relayout(self, live, step: int | None = None, grow: bool = False) -> LaidOut:

@@ -113,13 +113,22 @@ def logged_steps(workdir: Path) -> list[int]:
   return [r["step"] for r in records if "loss" in r]
 
 
+def steps_lost_recorded(workdir: Path) -> int:
+  """The finished steps a surviving run has recorded doing again (rolled back to a peer copy)."""
+  try:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  except FileNotFoundError:
+    return 0
+  return sum(json.loads(line).get("steps_lost", 0) for line in lines if line.endswith("}"))
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   workdir = workdir_of(args.command)
   logs = workdir / "launch"
   logs.mkdir(parents=True, exist_ok=True)
   processes, kills, results, restarts = start(args, logs), sorted(args.kill, key=lambda k: k[1]), [], 0
-  watching = None  # [kill time, last step finished before it, lowest step logged since] until passed
+  watching = None  # about the last kill, until the run passes the step it had reached (below)
   killed = {}  # process -> kill time, while the others run on without it
   stalled = {}  # process -> when to SIGKILL it, while it is stopped
   rejoins = args.restart_after is not None and "--config.fault_tolerance=survive" in args.command
@@ -129,7 +138,9 @@ def main(argv=None) -> int:
     done = max(logged_steps(workdir), default=0)
     if kills and done >= kills[0][1]:
       victim, _, stall = kills.pop(0)
-      watching = [time.perf_counter(), done, done]  # the run stops gaining steps from here
+      # The run stops gaining steps from here: [kill time, last step finished before it, lowest step
+      # logged since, steps a surviving run had recorded as lost before it]
+      watching = [time.perf_counter(), done, done, steps_lost_recorded(workdir)]
       if stall:
         processes[victim].send_signal(signal.SIGSTOP)
         stalled[victim] = time.perf_counter() + stall
@@ -147,8 +158,9 @@ def main(argv=None) -> int:
         print(f"launch: killed process {victim} after step {done}", flush=True)
     if watching:
       watching[2] = min(watching[2], done)  # a restart drops the records past its checkpoint first
-      if done > watching[1]:
-        results.append((watching[1], watching[1] - watching[2], time.perf_counter() - watching[0]))
+      if done > watching[1]:  # a restart lost the steps past its checkpoint; a rollback says what it lost
+        lost = max(watching[1] - watching[2], steps_lost_recorded(workdir) - watching[3])
+        results.append((watching[1], lost, time.perf_counter() - watching[0]))
         watching = None
     codes = [p.poll() for p in processes]
     for i, code in enumerate(codes):
@@ -173,12 +185,12 @@ def main(argv=None) -> int:
           f"{killed_after + 1} was done", flush=True)
   code = processes[0].returncode
   if code:
-    print(f"launch: {first_to_fail(processes, ended, victims, logs)}", flush=True)
+    print(f"launch: {first_to_fail(processes, ended, victims, logs, workdir)}", flush=True)
   return code if code >= 0 else 128 - code  # a signal as the shell reports it (SIGKILL: 137)
 
 
 def first_to_fail(processes: list[subprocess.Popen], ended: dict[int, float], victims: set[int],
-                  logs: Path) -> str:
+                  logs: Path, workdir: Path) -> str:
   """One sentence naming the process whose end ended the job, how it ended, and what to do.
 
   Within one poll, a SIGKILLed process went first: the others of a job end by SIGABRT (JAX's
@@ -193,7 +205,16 @@ def first_to_fail(processes: list[subprocess.Popen], ended: dict[int, float], vi
   how = f"killed by {signal.Signals(-code).name}" + (" from --kill" if first in victims else "")
   host = ("; process 0 hosts the coordination service, so every process ended with it" if first == 0 else
           ", and the job with it")
-  return f"process {first} ended first ({how}){host}: run the same command to resume from the last checkpoint."
+  return f"process {first} ended first ({how}){host}: {resume_advice(workdir)}."
+
+
+def resume_advice(workdir: Path) -> str:
+  """What running the command again does: resume from the newest checkpoint, or start over."""
+  folder = workdir / "checkpoints"
+  saved = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+  if saved:
+    return f"run the same command to resume from checkpoint step {saved[-1]}"
+  return "no checkpoint was saved, so the same command starts over from step 0"
 
 
 if __name__ == "__main__":

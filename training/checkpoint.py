@@ -111,11 +111,13 @@ class Checkpoints:
       return
     self.directory.mkdir(parents=True, exist_ok=True)
     self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config.to_dict()),
-             "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
-    if self._tokenizer is not None:
-      items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
-    with self._reporting_failed_saves():  # orbax also raises an earlier async save's error here
+    # Orbax also raises an earlier async save's error here; the fingerprints of a state sharded over
+    # processes are sums across them, which a lost process fails too.
+    with self._reporting_failed_saves():
+      items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config.to_dict()),
+               "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
+      if self._tokenizer is not None:
+        items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._unchecked_save = True
 
@@ -136,9 +138,10 @@ class Checkpoints:
       free, needed = shutil.disk_usage(self.directory).free, self._state_bytes
       good = self._finished_steps()
       newest = f"The newest saved checkpoint is {f'step {good[-1]}' if good else 'none'}"
+      resume = "resume" if good else "start over from step 0"  # never a promise of a checkpoint there is not
       if free < needed or _out_of_space(error):
         advice = (f"one needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. {newest}: "
-                  "make room, then run the same command to resume.")
+                  f"make room, then run the same command to {resume}.")
       elif _lost_process(error) and self._surviving_log:
         # The survivors recover from the state in memory; the save is left as a temporary folder,
         # and the checkpoints already saved stay as they were.
@@ -147,10 +150,10 @@ class Checkpoints:
         return
       elif _lost_process(error):
         advice = (f"another process of the run was lost during the save ({free / 2**20:.0f} MiB are free: not a "
-                  f"full disk). {newest}: run the same command to resume.")
+                  f"full disk). {newest}: run the same command to {resume}.")
       else:
         advice = (f"{free / 2**20:.0f} MiB are free: not a full disk. {newest}: put right what the error "
-                  "names, then run the same command to resume.")
+                  f"names, then run the same command to {resume}.")
       raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); {advice}") from None
 
   def save_now(self, step: int, state, config) -> None:
