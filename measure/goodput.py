@@ -81,7 +81,7 @@ def steps_logged(workdir) -> int:
   path = Path(workdir) / "metrics.jsonl"
   if not path.exists():
     return 0
-  steps = [record.get("step", 0) for record in _records(path) if "loss" in record]
+  steps = [record.get("step", 0) for record in records(path) if "loss" in record]
   return max(steps, default=0)
 
 
@@ -91,7 +91,7 @@ def run_ledger(run_dir) -> dict:
   if not path.exists():
     raise ValueError(f"{path} does not exist; give the --config.workdir of a run that has logged a step.")
   attempts: dict[float, dict] = {}
-  for record in _records(path):
+  for record in records(path):
     if is_ledger(record):
       ledger = _fields(record)
       attempts[ledger["started_at"]] = ledger  # the last word of each attempt
@@ -138,6 +138,6 @@ def table(named: dict) -> str:
   return "\n".join(lines)
 
 
-def _records(path: Path) -> list[dict]:
-  """metrics.jsonl's records; a torn last line (a process killed mid-write) is left out."""
+def records(path: Path) -> list[dict]:
+  """A metrics.jsonl's records; a torn last line (a process killed mid-write) is left out."""
   return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]

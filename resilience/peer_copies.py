@@ -18,7 +18,7 @@ import threading
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resilience.redundancy import shard_key
@@ -80,10 +80,17 @@ class CopyPlan:
     line = Mesh(np.asarray(self.devices), (_ALL,))
     self._line = line
     every_round = tuple(leaf.rounds for leaf in self.leaves)
-    self._permute = jax.jit(jax.shard_map(
+    permute = jax.jit(jax.shard_map(
         lambda shards: [[jax.lax.ppermute(shard, _ALL, perm) for perm in perms]
                         for shard, perms in zip(shards, every_round)],
         mesh=line, in_specs=P(_ALL), out_specs=P(_ALL)))
+    # Compiled now, outside any step: compiling inside the step that sends the first copy would keep
+    # the other processes waiting in its collectives (a wait as long as the heartbeat reads as a loss).
+    stacked = [jax.ShapeDtypeStruct((len(self.devices), *sharding.shard_shape(tuple(abstract.shape))), abstract.dtype,
+                                    sharding=NamedSharding(line, P(_ALL)))
+               for abstract, sharding in zip(jax.tree.leaves(layout.abstract_state),
+                                             jax.tree.leaves(layout.state_shardings))]
+    self._permute = permute.lower(stacked).compile()
 
   def bytes_sent(self, layout: Layout) -> int:
     """What one copy sends across processes, in all: every lone shard once."""
@@ -98,7 +105,7 @@ class CopyPlan:
       shard_of = {shard.device: shard.data for shard in leaf.addressable_shards}
       pieces = [shard_of[device][None] for device in local]
       stacked.append(jax.make_array_from_single_device_arrays(
-          (len(self.devices), *pieces[0].shape[1:]), jax.sharding.NamedSharding(self._line, P(_ALL)), pieces))
+          (len(self.devices), *pieces[0].shape[1:]), NamedSharding(self._line, P(_ALL)), pieces))
     return self._permute(stacked)
 
 

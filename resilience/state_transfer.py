@@ -101,8 +101,8 @@ def assemble(pieces: dict, shape: tuple, dtype, sharding: NamedSharding) -> jax.
   """A leaf laid out by `sharding`, from the pieces the processes put in: `pieces` maps each of this
   process's devices on the sharding's mesh to the (index, value) pairs it contributes, and across all
   processes every part of the leaf is put in exactly once. The same call on every process of the mesh."""
-  devices = list(sharding.mesh.devices.flat)
-  line = Mesh(np.asarray(devices), (_ALL,))
+  line = _line(sharding)
+  devices = list(line.devices.flat)
 
   def put_in(device):
     share = jnp.zeros((1, *shape), dtype, device=device)
@@ -112,14 +112,27 @@ def assemble(pieces: dict, shape: tuple, dtype, sharding: NamedSharding) -> jax.
 
   shares = jax.make_array_from_single_device_arrays(
       (len(devices), *shape), NamedSharding(line, P(_ALL)), [put_in(device) for device in line.local_devices])
-  whole = {shard.device: shard.data for shard in _summed(line)(shares).addressable_shards}
+  whole = {shard.device: shard.data for shard in _summed(line, shape, np.dtype(dtype))(shares).addressable_shards}
   wanted = sharding.addressable_devices_indices_map(shape)
   return jax.make_array_from_single_device_arrays(
       shape, sharding, [whole[device][index] for device, index in wanted.items()])
 
 
-@functools.cache  # one program per mesh, whichever leaves pass through it
-def _summed(line: Mesh):
-  """Over the devices of `line`: each hands in its share, and each gets the sum of all of them."""
-  return jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line, in_specs=P(_ALL),
-                               out_specs=P()))
+def compile_transfer(layout: Layout) -> None:
+  """Compiles ahead the sums that move `layout`'s state leaves onto it, so that a transfer runs no
+  compiler between its collectives: a process compiling there would keep the others waiting, and a
+  wait as long as the heartbeat reads as a lost process."""
+  for abstract, sharding in zip(jax.tree.leaves(layout.abstract_state), jax.tree.leaves(layout.state_shardings)):
+    _summed(_line(sharding), tuple(abstract.shape), np.dtype(abstract.dtype))
+
+
+def _line(sharding: NamedSharding) -> Mesh:
+  return Mesh(np.asarray(list(sharding.mesh.devices.flat)), (_ALL,))
+
+
+@functools.cache  # one program per mesh and leaf shape, compiled once
+def _summed(line: Mesh, shape: tuple, dtype: np.dtype):
+  """Over the devices of `line`: each hands in its share of a leaf, and each gets the sum of all of them."""
+  summed = jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line, in_specs=P(_ALL),
+                                 out_specs=P()))
+  return summed.lower(jax.ShapeDtypeStruct((line.size, *shape), dtype, sharding=NamedSharding(line, P(_ALL)))).compile()

@@ -30,7 +30,7 @@ from measure import analysis
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from resilience.peer_copies import PeerCopies
 from resilience.redundancy import lost_shard, survival_problem
-from resilience.state_transfer import relocate, share_state
+from resilience.state_transfer import compile_transfer, relocate, share_state
 from resilience.survive_events import Interruptions, PeerCopyKept
 from training.state import Layout, abstract_inputs, plan
 from training.step import make_eval_step, make_train_step
@@ -318,6 +318,7 @@ class Survivor:
       event = "a process came back" if grow else f"a process was lost before step {step + 1}"
       raise ValueError(f"{event} and the run cannot go on over the {len(live)} live devices: {why}; "
                        f"{self._resume_advice()}.")
+    compile_transfer(layout)
     return LaidOut(layout, smaller, *self._compile_steps(layout, smaller), frozenset(live))
 
   def _unrecoverable(self, live) -> str | None:
