@@ -79,18 +79,22 @@ class CopyPlan:
                                tuple(tuple(r) for r in rounds), received))
     line = Mesh(np.asarray(self.devices), (_ALL,))
     self._line = line
-    every_round = tuple(leaf.rounds for leaf in self.leaves)
+    self._copied = [i for i, leaf in enumerate(self.leaves) if leaf.rounds]  # leaves with lone shards
+    every_round = tuple(self.leaves[i].rounds for i in self._copied)
     permute = jax.jit(jax.shard_map(
         lambda shards: [[jax.lax.ppermute(shard, _ALL, perm) for perm in perms]
                         for shard, perms in zip(shards, every_round)],
         mesh=line, in_specs=P(_ALL), out_specs=P(_ALL)))
-    # Compiled now, outside any step: compiling inside the step that sends the first copy would keep
-    # the other processes waiting in its collectives (a wait as long as the heartbeat reads as a loss).
-    stacked = [jax.ShapeDtypeStruct((len(self.devices), *sharding.shard_shape(tuple(abstract.shape))), abstract.dtype,
-                                    sharding=NamedSharding(line, P(_ALL)))
-               for abstract, sharding in zip(jax.tree.leaves(layout.abstract_state),
-                                             jax.tree.leaves(layout.state_shardings))]
-    self._permute = permute.lower(stacked).compile()
+    # Each leaf's shards side by side along the line, one per device (a lone shard is never a
+    # scalar). Compiled now, outside any step: compiling inside the step that sends the first copy
+    # would keep the other processes waiting in its collectives, past the collective timeout.
+    abstract, shardings = jax.tree.leaves(layout.abstract_state), jax.tree.leaves(layout.state_shardings)
+    self._side_by_side = []
+    for i in self._copied:
+      shard_shape = shardings[i].shard_shape(tuple(abstract[i].shape))
+      self._side_by_side.append((len(self.devices) * shard_shape[0], *shard_shape[1:]))
+    self._permute = permute.lower([jax.ShapeDtypeStruct(shape, abstract[i].dtype, sharding=NamedSharding(line, P(_ALL)))
+                                   for i, shape in zip(self._copied, self._side_by_side)]).compile()
 
   def bytes_sent(self, layout: Layout) -> int:
     """What one copy sends across processes, in all: every lone shard once."""
@@ -99,14 +103,13 @@ class CopyPlan:
 
   def send(self, state) -> list:
     """Dispatches the collective-permutes of `state`'s lone shards; returns what arrives (on device)."""
-    local = self._line.local_devices
-    stacked = []
-    for leaf in jax.tree.leaves(state):
-      shard_of = {shard.device: shard.data for shard in leaf.addressable_shards}
-      pieces = [shard_of[device][None] for device in local]
-      stacked.append(jax.make_array_from_single_device_arrays(
-          (len(self.devices), *pieces[0].shape[1:]), NamedSharding(self._line, P(_ALL)), pieces))
-    return self._permute(stacked)
+    leaves, side_by_side = jax.tree.leaves(state), []
+    for i, shape in zip(self._copied, self._side_by_side):
+      shard_of = {shard.device: shard.data for shard in leaves[i].addressable_shards}
+      side_by_side.append(jax.make_array_from_single_device_arrays(
+          shape, NamedSharding(self._line, P(_ALL)), [shard_of[device] for device in self._line.local_devices]))
+    arrived = dict(zip(self._copied, self._permute(side_by_side)))
+    return [arrived.get(i, []) for i in range(len(self.leaves))]
 
 
 class Snapshot:
@@ -118,7 +121,7 @@ class Snapshot:
                            for leaf in jax.tree.leaves(state)]
     position = {device: i for i, device in enumerate(plan.devices)}
     self._peer_on_device = [
-        {leaf.received[(r, position[shard.device])]: shard.data[0]
+        {leaf.received[(r, position[shard.device])]: shard.data
          for r, out in enumerate(outs) for shard in out.addressable_shards
          if (r, position[shard.device]) in leaf.received}
         for leaf, outs in zip(plan.leaves, arrived)]

@@ -3,18 +3,18 @@
 Where every process already holds the shards its devices need on the new mesh (a data-parallel
 shrink keeps whole replicas), the state moves device to device inside each process, with no
 communication (`move_state`). Otherwise (a restarted process holds nothing; hybrid sharding
-regroups its shards into smaller groups) one program per leaf runs over the new mesh: one live
-copy of each shard goes in, placed in a zero leaf, zeros everywhere else, and a sum over every
-device hands each the whole leaf, from which it keeps its new shard (`share_state`). A sum of one
-copy and zeros is the copy itself, so the values arrive unchanged (a -0.0 reads back as 0.0).
-The whole leaf passes through each device once, one leaf at a time: a recovery costs the largest
-leaf twice over in transient memory, never the whole state.
+regroups its shards into smaller groups; peer copies rebuild a lost process's shards) one
+program per leaf runs over the new mesh: one copy of each shard goes in, placed in a zero leaf
+built in host memory, zeros everywhere else, and a sum over every device hands each its new
+shard (`assemble`). A sum of one copy and zeros is the copy itself, so the values arrive
+unchanged (a -0.0 reads back as 0.0). The programs are compiled before the transfer's block
+(`compile_transfer`), and the whole leaf passes through each device once, one leaf at a time: a
+recovery costs the largest leaf in transient memory, never the whole state.
 """
 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -91,7 +91,7 @@ def share_state(state, layout: Layout, holders) -> dict:
     for device, shard in held.items():
       if first_holder.get(shard_key(shard.index, shape)) == device:
         at = device if device in set(sharding.mesh.devices.flat) else entry[device.process_index]
-        pieces.setdefault(at, []).append((shard.index, jax.device_put(shard.data, at)))
+        pieces.setdefault(at, []).append((shard.index, shard.data))
     return assemble(pieces, shape, leaf.dtype, sharding)
 
   return jax.tree.map(share, state, layout.state_shardings)
@@ -105,17 +105,16 @@ def assemble(pieces: dict, shape: tuple, dtype, sharding: NamedSharding) -> jax.
   devices = list(line.devices.flat)
 
   def put_in(device):
-    share = jnp.zeros((1, *shape), dtype, device=device)
+    # Built in host memory: a device-side update would compile a program per piece, inside the
+    # block whose collectives the other processes are already waiting in.
+    share = np.zeros((1, *shape), dtype)
     for index, value in pieces.get(device, ()):
-      share = share.at[(0, *index)].set(value)
-    return share
+      share[(0, *index)] = np.asarray(value)
+    return jax.device_put(share, device)
 
   shares = jax.make_array_from_single_device_arrays(
       (len(devices), *shape), NamedSharding(line, P(_ALL)), [put_in(device) for device in line.local_devices])
-  whole = {shard.device: shard.data for shard in _summed(line, shape, np.dtype(dtype))(shares).addressable_shards}
-  wanted = sharding.addressable_devices_indices_map(shape)
-  return jax.make_array_from_single_device_arrays(
-      shape, sharding, [whole[device][index] for device, index in wanted.items()])
+  return _summed(sharding, shape, np.dtype(dtype))(shares)
 
 
 def compile_transfer(layout: Layout) -> None:
@@ -123,16 +122,16 @@ def compile_transfer(layout: Layout) -> None:
   compiler between its collectives: a process compiling there would keep the others waiting, and a
   wait as long as the heartbeat reads as a lost process."""
   for abstract, sharding in zip(jax.tree.leaves(layout.abstract_state), jax.tree.leaves(layout.state_shardings)):
-    _summed(_line(sharding), tuple(abstract.shape), np.dtype(abstract.dtype))
+    _summed(sharding, tuple(abstract.shape), np.dtype(abstract.dtype))
 
 
 def _line(sharding: NamedSharding) -> Mesh:
   return Mesh(np.asarray(list(sharding.mesh.devices.flat)), (_ALL,))
 
 
-@functools.cache  # one program per mesh and leaf shape, compiled once
-def _summed(line: Mesh, shape: tuple, dtype: np.dtype):
-  """Over the devices of `line`: each hands in its share of a leaf, and each gets the sum of all of them."""
-  summed = jax.jit(jax.shard_map(lambda share: jax.lax.psum(share[0], _ALL), mesh=line, in_specs=P(_ALL),
-                                 out_specs=P()))
+@functools.cache  # one program per sharding and leaf shape, compiled once
+def _summed(sharding: NamedSharding, shape: tuple, dtype: np.dtype):
+  """Each device of the sharding's mesh hands in its share of a leaf, and gets its shard of the sum."""
+  line = _line(sharding)
+  summed = jax.jit(lambda shares: shares.sum(axis=0, dtype=dtype), out_shardings=sharding)
   return summed.lower(jax.ShapeDtypeStruct((line.size, *shape), dtype, sharding=NamedSharding(line, P(_ALL)))).compile()
