@@ -71,8 +71,9 @@ class Ledger:
 
   def record(self) -> dict:
     """The ledger as metrics.jsonl holds it; time not given a cause is `other`."""
-    seconds = {**self._seconds, "other": self._seconds["other"] + max(0.0, self.unaccounted())}
-    fields = {"started_at": self.started_at, "wall": time.perf_counter() - self._began, **seconds}
+    wall = time.perf_counter() - self._began
+    seconds = {**self._seconds, "other": self._seconds["other"] + max(0.0, wall - sum(self._seconds.values()))}
+    fields = {"started_at": self.started_at, "wall": wall, **seconds}
     return {f"{_PREFIX}{name}": value for name, value in fields.items()}  # scalars: TensorBoard plots them
 
 

@@ -31,6 +31,8 @@ RUN_HERE = [  # the first is README's: a data x tensor step compiled and reporte
     "--dry_run",
     "XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/pipeline_bubble.py --stages 4 --micro 8 "
     "--virtual 2",
+    "python tools/goodput.py --simulate --devices 1024,16384,102400 --devices-per-host 8 --hours 720 "
+    "--step-seconds 1 --peer-copy-every 10 --copy-overhead 0.005",
 ]
 
 

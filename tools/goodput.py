@@ -152,7 +152,7 @@ def parameter(outcome: sim.Outcome, cluster: sim.Cluster, run: sim.Run, recovery
     return (f"save every {outcome.every:,} steps = {duration(outcome.every * run.step_seconds)} "
             f"(Young/Daly {duration(sim.young_daly_seconds(cluster, recovery))})")
   if outcome.strategy == "survive: peer copies":
-    return f"copy every {outcome.every:,} steps, +{recovery.copy_overhead:.0%} a step"
+    return f"copy every {outcome.every:,} steps, +{recovery.copy_overhead:.1%} a step"
   return f"replica of {args.replica_devices} devices back after {recovery.replace_hours:g} h"
 
 
