@@ -1,11 +1,11 @@
 """Where a run's wall time went (its goodput ledger), as MaxText's goodput package reports it: the
 productive steps against each cause of badput.
 
-Each start of a run (an attempt) keeps a `Ledger` and writes it to metrics.jsonl at every log step
-and at the end, as "ledger/<cause>" seconds; a restart's attempt keeps the ones before it (training/metrics.py),
-so `run_table` reads a whole run, however often it was restarted, from its metrics.jsonl: each
-attempt's last ledger, and the time between one attempt's last word and the next one's start
-(the job down: detection and restart).
+Each start of a run (an attempt) keeps a `Ledger` and appends it to <workdir>/goodput.jsonl at
+every log step and at the end, in seconds by cause; no attempt removes another's (a resumed run
+drops the metrics.jsonl records of the steps it does again, not the time they took). So
+`run_table` reads a whole run, however often it was restarted: each attempt's last ledger, and the
+time between one attempt's last word and the next one's start (the job down: detection and restart).
 """
 
 import contextlib
@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-_PREFIX = "ledger/"  # of a ledger's fields in a metrics.jsonl record
+LEDGER_FILE = "goodput.jsonl"  # in the workdir, beside metrics.jsonl
 
 # The causes, in the order a table lists them; `productive` is the goodput.
 CAUSES = {
@@ -70,11 +70,17 @@ class Ledger:
     return time.perf_counter() - self._began - sum(self._seconds.values())
 
   def record(self) -> dict:
-    """The ledger as metrics.jsonl holds it; time not given a cause is `other`."""
+    """The ledger so far, as goodput.jsonl holds it; time not given a cause is `other`."""
     wall = time.perf_counter() - self._began
     seconds = {**self._seconds, "other": self._seconds["other"] + max(0.0, wall - sum(self._seconds.values()))}
-    fields = {"started_at": self.started_at, "wall": wall, **seconds}
-    return {f"{_PREFIX}{name}": value for name, value in fields.items()}  # scalars: TensorBoard plots them
+    return {"started_at": self.started_at, "wall": wall, **seconds}
+
+  def write(self, workdir, step: int) -> dict:
+    """Appends the ledger after step `step` to the workdir's goodput.jsonl; returns what it wrote."""
+    record = {"step": step, **self.record()}
+    with open(Path(workdir) / LEDGER_FILE, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    return record
 
 
 def steps_logged(workdir) -> int:
@@ -88,17 +94,13 @@ def steps_logged(workdir) -> int:
 
 def run_ledger(run_dir) -> dict:
   """A run's wall time by cause over all its attempts, with `wall` and `attempts`."""
-  path = Path(run_dir) / "metrics.jsonl"
+  path = Path(run_dir) / LEDGER_FILE
   if not path.exists():
-    raise ValueError(f"{path} does not exist; give the --config.workdir of a run that has logged a step.")
+    raise ValueError(f"{path} does not exist; give the --config.workdir of a run that has logged a step "
+                     "with this version of meshlm.")
   attempts: dict[float, dict] = {}
   for record in records(path):
-    if is_ledger(record):
-      ledger = _fields(record)
-      attempts[ledger["started_at"]] = ledger  # the last word of each attempt
-  if not attempts:
-    raise ValueError(f"{path} holds no goodput ledger; it comes from a run that logged a step with this "
-                     "version of meshlm.")
+    attempts[record["started_at"]] = record  # the last word of each attempt
   ordered = [attempts[start] for start in sorted(attempts)]
   total = {cause: sum(a[cause] for a in ordered) for cause in CAUSES}
   total["restart"] += sum(max(0.0, after["started_at"] - (before["started_at"] + before["wall"]))
@@ -115,15 +117,7 @@ def run_table(run_dirs: list) -> str:
 
 def attempt_totals(record: dict) -> dict:
   """One attempt's ledger record as `table` takes it."""
-  return {**_fields(record), "attempts": 1}
-
-
-def is_ledger(record: dict) -> bool:
-  return f"{_PREFIX}started_at" in record
-
-
-def _fields(record: dict) -> dict:
-  return {key.removeprefix(_PREFIX): value for key, value in record.items() if key.startswith(_PREFIX)}
+  return {**record, "attempts": 1}
 
 
 def table(named: dict) -> str:
@@ -140,5 +134,5 @@ def table(named: dict) -> str:
 
 
 def records(path: Path) -> list[dict]:
-  """A metrics.jsonl's records; a torn last line (a process killed mid-write) is left out."""
+  """A JSON-lines file's records; a torn last line (a process killed mid-write) is left out."""
   return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]

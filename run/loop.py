@@ -164,7 +164,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
     return {}
   flops_token = metrics.flops_per_token(layout.model, active_param_count(layout))
   peak = metrics.peak_flops_per_device(config.peak_tflops)
-  writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config, keep=goodput.is_ledger)
+  writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config)
   active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
   _log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
        f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
@@ -193,7 +193,8 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
                 "mfu": metrics.mfu(tokens_per_sec, flops_token, peak),
                 "skipped": int(fetched["skipped"]), "peak_bytes": stepper.peak_bytes, **_optional_figures(fetched)}
         writer.write(done, {k: v for k, v in last.items() if k != "step"})
-        writer.write(done, ledger.record())
+        if writer.active:  # process 0, as for metrics.jsonl
+          ledger.write(config.workdir, done)
         _log(_format(last))
         interval_start, interval_from = time.perf_counter(), done
         refusal = nonfinite.refusal(done, last["skipped"])
@@ -227,8 +228,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
         checkpoints.wait()
       if config.sample_tokens:
         _log("sample: " + _sample(stepper.layout, state["params"], config, text_tokenizer))
-    record = ledger.record()
-    writer.write(done, record)
+    record = ledger.write(config.workdir, done) if writer.active else ledger.record()
   _log("where the wall time went:\n" + goodput.table({"this run": goodput.attempt_totals(record)}))
   return last
 

@@ -331,29 +331,36 @@ def last_per_step(records, key):
   return {r["step"]: r[key] for r in records if key in r}
 
 
+def survived_beside_whole(tmp_path, kill: str, **overrides):
+  """A surviving 4-process run with peer copies every 2 steps and `kill`, and the same run on one
+  process uninterrupted: (the launcher's output, the records of each, the uninterrupted config)."""
+  output = launch(tmp_path / "survived", "--processes=4", kill, fault_tolerance="survive", peer_copy_every=2,
+                  **overrides)
+  config = tiny_config(**{**RUN, **overrides, "workdir": str(tmp_path / "whole")})
+  train(config)
+  survived, whole = read_metrics(tmp_path / "survived"), read_metrics(tmp_path / "whole")
+  survived_losses, whole_losses = last_per_step(survived, "loss"), last_per_step(whole, "loss")
+  assert sorted(survived_losses) == list(range(1, config.steps + 1))
+  # float32 noise from the reduction order on the survivors' smaller mesh and micro-batches.
+  np.testing.assert_allclose([survived_losses[s] for s in sorted(survived_losses)],
+                             [whole_losses[s] for s in sorted(survived_losses)], rtol=1e-5)
+  return output, survived, whole, config
+
+
 def test_zero3_over_processes_survives_a_kill_during_a_save_from_peer_copies(tmp_path):
   # ZeRO-3 over data=8 on 4 processes holds each shard on one process only; peer copies every 2 steps
   # keep each process's shards in the next one's host memory. Process 2 is stopped after step 3's log
   # line and killed 3 s later, while the others wait for it inside step 3's save: the save is abandoned,
   # and the survivors roll back to the copy of step 2, then redo steps 3 and 4 on 4 of the 6 live
   # devices (16 rows do not divide over 6 replicas; 4 take 2 micro-batches of 2 rows each).
-  overrides = {"sharding.zero": 3, "batch_size": 16, "checkpoint.every": 1}
-  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=3:stall=3", fault_tolerance="survive",
-                  peer_copy_every=2, **overrides)
-  config = tiny_config(**{**RUN, **overrides, "workdir": str(tmp_path / "whole")})
-  train(config)
-  survived, whole = read_metrics(tmp_path / "survived"), read_metrics(tmp_path / "whole")
+  output, survived, _, config = survived_beside_whole(tmp_path, "--kill=2@step=3:stall=3", batch_size=16,
+                                                      **{"sharding.zero": 3, "checkpoint.every": 1})
   failures = [r for r in survived if "recovery_seconds" in r]
   assert [(r["failed_step"], r["steps_lost"], r["live_devices"]) for r in failures] == [(4, 1, 4)]
   assert "the save was abandoned" in output and "resuming" not in output  # no checkpoint was read
   assert "launch: killed after step 3: 1 steps lost" in output
   copies = [r for r in survived if "peer_copy_bytes_sent" in r]
   assert copies and copies[0]["peer_copy_host_bytes"] < copies[0]["peer_copy_bytes_sent"]  # a share, not all
-  survived_losses, whole_losses = last_per_step(survived, "loss"), last_per_step(whole, "loss")
-  assert sorted(survived_losses) == list(range(1, 7))
-  # float32 noise from the reduction order: 8 devices, then 4 with 2 micro-batches.
-  np.testing.assert_allclose([survived_losses[s] for s in range(1, 7)], [whole_losses[s] for s in range(1, 7)],
-                             rtol=1e-5)
   for a, b in zip(jax.tree.leaves(final_params(tmp_path / "survived", config)),
                   jax.tree.leaves(final_params(tmp_path / "whole", config))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -365,16 +372,9 @@ def test_pipeline_and_tensor_over_processes_survive_from_peer_copies(tmp_path):
   # data=2 x pipeline=2 x tensor=2 with ZeRO-1: a replica spans two processes and each optimizer
   # shard lives on one. After process 2 is lost, one replica runs on one device of each survivor and
   # one more, rebuilt from their own shards and process 3's copy of process 2's.
-  overrides = {"mesh.data": 2, "mesh.pipeline": 2, "mesh.tensor": 2, "sharding.zero": 1, "batch_size": 16,
-               "checkpoint.every": 0, "eval_every": 0}
-  output = launch(tmp_path / "survived", "--processes=4", "--kill=2@step=3", fault_tolerance="survive",
-                  peer_copy_every=2, **overrides)
-  config = tiny_config(**{**RUN, **overrides, "workdir": str(tmp_path / "whole")})
-  train(config)
-  survived, whole = read_metrics(tmp_path / "survived"), read_metrics(tmp_path / "whole")
+  output, survived, _, _ = survived_beside_whole(
+      tmp_path, "--kill=2@step=3", batch_size=16, eval_every=0,
+      **{"mesh.data": 2, "mesh.pipeline": 2, "mesh.tensor": 2, "sharding.zero": 1, "checkpoint.every": 0})
   failures = [r for r in survived if "recovery_seconds" in r]
   assert len(failures) == 1 and failures[0]["steps_lost"] <= 2 and failures[0]["live_devices"] == 4
   assert "resuming" not in output
-  survived_losses, whole_losses = last_per_step(survived, "loss"), last_per_step(whole, "loss")
-  np.testing.assert_allclose([survived_losses[s] for s in range(1, 7)], [whole_losses[s] for s in range(1, 7)],
-                             rtol=1e-5)

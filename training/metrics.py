@@ -45,16 +45,14 @@ class MetricsWriter:
   Only process 0 writes, so a multi-host run leaves one copy.
   """
 
-  def __init__(self, workdir: str, after_step: int = 0, config=None, keep=lambda record: False):
-    """Records of steps after `after_step` (which a resumed run does again) are dropped, but those
-    `keep` accepts (the goodput ledger of the attempt that did them)."""
+  def __init__(self, workdir: str, after_step: int = 0, config=None):
     self.active = jax.process_index() == 0
     self._wandb = None
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
-    _drop_records_after(path, after_step, keep)  # a fresh start (0) too: a crash may predate any checkpoint
+    _drop_records_after(path, after_step)  # a fresh start (0) too: a crash may predate any checkpoint
     self._jsonl = open(path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -94,7 +92,7 @@ class MetricsWriter:
         raise
 
 
-def _drop_records_after(path: str, step: int, keep) -> None:
+def _drop_records_after(path: str, step: int) -> None:
   """A resumed run recomputes the steps after its checkpoint; their old records give way.
 
   A torn last line (a crash mid-write) is dropped; a damaged line elsewhere is refused by number.
@@ -114,7 +112,7 @@ def _drop_records_after(path: str, step: int, keep) -> None:
         break
       raise ValueError(f"{path} line {number} is not JSON ({line[:40]!r}); repair or delete that "
                        "line, then run again.") from None
-    if record["step"] <= step or keep(record):
+    if record["step"] <= step:
       kept.append(line + "\n")
   with open(path + ".tmp", "w") as f:
     f.writelines(kept)
