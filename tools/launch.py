@@ -103,23 +103,23 @@ def coordinator_port(process: subprocess.Popen) -> int:
   return int(next(flag for flag in process.args if "coordinator=" in flag).rsplit(":", 1)[1])
 
 
-def logged_steps(workdir: Path) -> list[int]:
-  """Steps with a loss in metrics.jsonl, in file order (a restart first drops the records it will redo)."""
+def metrics_records(workdir: Path) -> list[dict]:
+  """metrics.jsonl's whole records, in file order (a line being written is left out)."""
   try:
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
   except FileNotFoundError:
     return []
-  records = [json.loads(line) for line in lines if line.endswith("}")]
-  return [r["step"] for r in records if "loss" in r]
+  return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def logged_steps(workdir: Path) -> list[int]:
+  """Steps with a loss in metrics.jsonl, in file order (a restart first drops the records it will redo)."""
+  return [r["step"] for r in metrics_records(workdir) if "loss" in r]
 
 
 def steps_lost_recorded(workdir: Path) -> int:
   """The finished steps a surviving run has recorded doing again (rolled back to a peer copy)."""
-  try:
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  except FileNotFoundError:
-    return 0
-  return sum(json.loads(line).get("steps_lost", 0) for line in lines if line.endswith("}"))
+  return sum(r.get("steps_lost", 0) for r in metrics_records(workdir))
 
 
 def main(argv=None) -> int:
