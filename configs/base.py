@@ -105,6 +105,14 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.expert = 1
   c.mesh.sequence = 1
   c.mesh.tensor = 1
+  # Two network tiers: how many slices (TPU) or hosts (GPU) each axis spans, of its size above; the
+  # axis's devices inside one are neighbours on the fast links (ICI, NVLink). Only data and pipeline
+  # may cross the slow tier (DCN, InfiniBand); the other three are refused if set above 1.
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_pipeline = 1
+  c.mesh.dcn_expert = 1
+  c.mesh.dcn_sequence = 1
+  c.mesh.dcn_tensor = 1
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved; used when mesh.pipeline > 1

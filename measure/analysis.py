@@ -46,6 +46,9 @@ import numpy as np
 from jax._src import config as jax_config  # the cache switch as a context manager
 from jax.experimental.compilation_cache import compilation_cache
 
+from measure import tiers
+from parallel.mesh import slow_tier_groups
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
          "ragged-all-to-all", "collective-permute")
 
@@ -88,6 +91,10 @@ class Collective:
   axes: tuple[str, ...]
   group_size: int
   trips: int = 1
+  # Two network tiers (parallel.mesh.slow_tier_shape): the slow-tier groups (slices or hosts) one
+  # replica group spans, and for a permute the share of its pairs whose ends lie in different ones.
+  slow_groups: int = 1
+  crossing_pairs: fractions.Fraction = fractions.Fraction(0)
 
   @property
   def in_loop(self) -> bool:
@@ -127,7 +134,7 @@ def compile_partitioned(lowered):
 
 
 def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
-                busy: dict[int, int] | None = None) -> list[Collective]:
+                busy: dict[int, int] | None = None, slow: dict[str, int] | None = None) -> list[Collective]:
   """Lists the collectives of a compiled program (or its HLO text) over `mesh`.
 
   With `partitioned` (the text `compile_partitioned` returns beside the
@@ -135,7 +142,9 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
   a GPU or TPU compiler would receive it (module docstring), with each loop's
   trips read off the compiled program's loop of the same name. `busy` maps a
   loop's trips to how many of them a conditional directly in its body runs
-  (`busy_slots`); without it every trip counts.
+  (`busy_slots`); without it every trip counts. `slow` (slow-tier groups per
+  axis, parallel.mesh.slow_tier_shape) reads off each replica group which
+  slices or hosts it spans.
   Async pairs count once (the `-start`; `-done` is skipped). Raises ValueError
   on a collective whose replica groups we cannot read, so a new XLA spelling
   fails loudly instead of vanishing from the counts.
@@ -143,6 +152,8 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
   is_text = isinstance(compiled_or_hlo_text, str)
   text = compiled_or_hlo_text if is_text else compiled_or_hlo_text.as_text()
   coords = _position_coords(mesh, None if is_text else compiled_or_hlo_text)
+  tier_group = slow_tier_groups(mesh, slow or {})
+  group_of = {position: int(tier_group[c]) for position, c in coords.items()}
   known_trips = {}
   if partitioned is not None:
     known_trips, text = _trip_counts(text), partitioned
@@ -175,14 +186,16 @@ def collectives(compiled_or_hlo_text, mesh, partitioned: str | None = None,
         loop_body=loop_body.get(computation),
         result_bytes=_result_bytes(result_type, kind, bool(start)),
         axes=tuple(a for a in mesh.axis_names if a in axes),
-        group_size=_group_size(groups, kind), trips=trips.get(computation, 1))
+        group_size=_group_size(groups, kind), trips=trips.get(computation, 1),
+        **_tiers(groups, kind, group_of))
     operand = _all_reduce_operand(line) if kind == "all-reduce" else None
     if operand in found and found[operand].kind == "all-reduce" and uses.get(operand) == [("all-reduce", 0, 0)]:
       # XLA's AllReduceFolder: an all-reduce of an all-reduce is one over both groups.
       inner = found.pop(operand)
       found[name] = dataclasses.replace(
           found[name], axes=tuple(a for a in mesh.axis_names if a in axes | set(inner.axes)),
-          group_size=found[name].group_size * inner.group_size)
+          group_size=found[name].group_size * inner.group_size,
+          slow_groups=found[name].slow_groups * inner.slow_groups)
   for name, c in found.items():
     # XLA's ReduceScatterCreator: an all-reduce whose one use keeps this device's 1/D of it.
     if c.kind == "all-reduce" and len(uses.get(name, ())) == 1 and uses[name][0][:2] == ("dynamic-slice", 0) \
@@ -438,6 +451,15 @@ def _differing_axes(group, coords, mesh) -> set[str]:
           if len(set(members[:, a])) > 1}
 
 
+def _tiers(groups, kind, group_of: dict[int, int]) -> dict:
+  """Collective's slow_groups (the most slow-tier groups one replica group spans) or, for a
+  permute, crossing_pairs."""
+  if kind == "collective-permute":
+    crossing = sum(group_of[source] != group_of[target] for source, target in groups)
+    return {"crossing_pairs": fractions.Fraction(crossing, len(groups)) if groups else fractions.Fraction(0)}
+  return {"slow_groups": max(len({group_of[i] for i in g}) for g in groups)}
+
+
 def _group_size(groups, kind) -> int:
   """Devices per replica group; for permutes, the largest chain of pairs."""
   if kind != "collective-permute":
@@ -540,6 +562,16 @@ def collective_bytes(found, ring: bool = False) -> dict[str, int]:
   for c in found:
     totals[c.kind] += ring_traffic_bytes(c) if ring else c.result_bytes
   return dict(totals)
+
+
+def tier_traffic_per_step(found) -> dict[tuple[str, str], dict[str, int]]:
+  """traffic_per_step split by network tier: {"fast": ..., "slow": ...} bytes (measure/tiers.py)."""
+  totals = collections.defaultdict(collections.Counter)
+  for c in found:
+    sent = ring_traffic_bytes(c) * c.trips
+    crossing = int(sent * tiers.slow_share(c.kind, c.group_size // c.slow_groups, c.slow_groups, c.crossing_pairs))
+    totals[(c.kind, "+".join(c.axes) or "-")].update({tiers.FAST: sent - crossing, tiers.SLOW: crossing})
+  return {key: {tiers.FAST: t[tiers.FAST], tiers.SLOW: t[tiers.SLOW]} for key, t in totals.items()}
 
 
 def traffic_per_step(found) -> dict[tuple[str, str], int]:

@@ -1,12 +1,14 @@
 """`train.py --dry_run`: compile the step ahead of time and say what it will cost, allocating nothing."""
 
+import math
+
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from measure import analysis, estimate
+from measure import analysis, estimate, tiers
 from parallel import schedules
-from parallel.mesh import PIPELINE
+from parallel.mesh import PIPELINE, slow_tier_shape
 from training.state import Layout, abstract_inputs, build_model, model_config, param_count
 from training.step import make_train_step
 
@@ -64,6 +66,28 @@ def comparison(config, mesh: dict, compiled, found, found_backend) -> list[tuple
   return rows
 
 
+def tier_rows(config, mesh: dict, slow: dict, found) -> list[tuple[str, dict, dict]]:
+  """(what, estimated, compiled) bytes per step by network tier ({"fast": ..., "slow": ...}): the
+  estimate split as measure/tiers.py models it, the compiled as each replica group's slices or hosts."""
+  predicted = tiers.split(estimate.collectives(config, mesh, model_weights(config)), mesh, slow,
+                          config.pipeline.schedule)
+  sent = analysis.tier_traffic_per_step(found)
+  none = dict.fromkeys((tiers.FAST, tiers.SLOW), 0)
+  rows = [(f"{kind} over {axes}", predicted.get((kind, axes), none), sent.get((kind, axes), none))
+          for kind, axes in sorted(set(predicted) | set(sent))]
+  total = lambda table: {tier: sum(t[tier] for t in table.values()) for tier in none}
+  return rows + [("collectives: total", total(predicted), total(sent))]
+
+
+def format_tiers(rows) -> str:
+  lines = [f"{'per device, by network tier':<50}{'fast est MiB':>14}{'compiled':>10}{'slow est MiB':>14}"
+           f"{'compiled':>10}"]
+  for what, guess, actual in rows:
+    lines.append(f"{what:<50}{guess[tiers.FAST] / MiB:14.2f}{actual[tiers.FAST] / MiB:10.2f}"
+                 f"{guess[tiers.SLOW] / MiB:14.2f}{actual[tiers.SLOW] / MiB:10.2f}")
+  return "\n".join(lines)
+
+
 def format_comparison(rows) -> str:
   lines = [f"{'per device':<50}{'estimate MiB':>14}{'compiled MiB':>14}{'ratio':>8}{'CPU backend MiB':>17}"]
   for what, guess, actual, backend in rows:
@@ -99,7 +123,8 @@ def report(layout: Layout, config) -> str:
   """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective."""
   compiled, partitioned = compile_partitioned_train_step(layout, config)
   busy = busy_slots(config, dict(layout.mesh.shape))
-  found = analysis.collectives(compiled, layout.mesh, partitioned, busy)
+  slow = slow_tier_shape(config.mesh, dict(layout.mesh.shape))
+  found = analysis.collectives(compiled, layout.mesh, partitioned, busy, slow)
   found_backend = analysis.collectives(compiled, layout.mesh, busy=busy)
   mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.shape.items())
   lines = [f"parameters: {param_count(layout):,}", f"mesh: {mesh} ({layout.mesh.size} devices)",
@@ -109,6 +134,10 @@ def report(layout: Layout, config) -> str:
            "and chained all-reduces as one; CPU backend: after this CPU's own passes, which widen bf16 "
            "all-reduces to float32 and form no reduce-scatters):",
            format_comparison(comparison(config, dict(layout.mesh.shape), compiled, found, found_backend)),
+           *([f"bytes across the slow tier ({' x '.join(f'dcn_{a}={n}' for a, n in slow.items() if n > 1)} "
+              "slices or hosts; compiled: the slices or hosts each replica group spans):",
+              format_tiers(tier_rows(config, dict(layout.mesh.shape), slow, found))]
+             if math.prod(slow.values()) > 1 else []),
            format_flops(flops_rows(config, dict(layout.mesh.shape), compiled, partitioned)),
            "collectives in the partitioned train step:", analysis.summary_table(found)]
   return "\n".join(lines)

@@ -4,12 +4,17 @@ import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 # Outermost (slowest links) to innermost (fastest): tensor parallelism wants
 # NVLink/ICI neighbours, pipeline stages tolerate slow links.
 DATA, PIPELINE, EXPERT, SEQUENCE, TENSOR = "data", "pipeline", "expert", "sequence", "tensor"
 AXES = (DATA, PIPELINE, EXPERT, SEQUENCE, TENSOR)
+# The axes whose collectives tolerate the slow tier between slices or hosts (DCN, InfiniBand): data
+# replicas reduce once per step and pipeline stages hand over one activation per tick; tensor, sequence
+# and expert parallelism exchange activations inside every layer.
+SLOW_TIER_AXES = (DATA, PIPELINE)
 
 
 def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
@@ -58,6 +63,26 @@ def hybrid_shape(shape: dict[str, int], fsdp_group: int) -> dict[str, int]:
   return {**shape, DATA: shape[DATA] // fsdp_group, EXPERT: fsdp_group}
 
 
+def slow_tier_shape(mesh_config, shape: dict[str, int]) -> dict[str, int]:
+  """How many slow-tier groups (slices or hosts) each axis spans: `mesh.dcn_<axis>`, 1 where unset.
+
+  `mesh.<axis>` stays the axis's whole size; `mesh.dcn_<axis>` of it runs across the slow tier, the
+  rest inside each group, so `shape` is the mesh after hybrid_shape (ZeRO groups stay inside a group).
+  """
+  slow = {axis: int(mesh_config.get(f"dcn_{axis}", 1)) for axis in AXES}
+  for axis, count in slow.items():
+    if count < 1:
+      raise ValueError(f"mesh.dcn_{axis}={count} must be a positive number of slices or hosts (1: none).")
+    if count > 1 and axis not in SLOW_TIER_AXES:
+      raise ValueError(f"mesh.dcn_{axis}={count} would put {axis} parallelism's per-layer collectives on the "
+                       f"slow network between slices or hosts; only {' and '.join(SLOW_TIER_AXES)} may cross "
+                       f"it (mesh.dcn_data, mesh.dcn_pipeline), so set mesh.dcn_{axis}=1.")
+    if shape[axis] % count:
+      raise ValueError(f"mesh.dcn_{axis}={count} does not divide the {axis} axis of {shape[axis]} devices; "
+                       f"choose a number of slices or hosts that divides it.")
+  return slow
+
+
 def make_mesh(mesh_config, devices=None, fsdp_group: int = 0) -> Mesh:
   """A mesh over `devices` (all by default) with every axis in Auto mode; `fsdp_group` as hybrid_shape.
 
@@ -65,14 +90,62 @@ def make_mesh(mesh_config, devices=None, fsdp_group: int = 0) -> Mesh:
   constraints and GSPMD propagates the rest, the way MaxText runs by default;
   Explicit would make every contraction over a sharded dimension spell out its
   output sharding inside the model, which must stay mesh-agnostic.
+  With `mesh.dcn_*` the devices are laid out over two network tiers (hybrid_grid).
   """
   devices = jax.devices() if devices is None else devices
   shape = hybrid_shape(mesh_shape(mesh_config, len(devices)), fsdp_group)
+  slow = slow_tier_shape(mesh_config, shape)
   axis_types = (AxisType.Auto,) * len(AXES)
+  if math.prod(slow.values()) > 1:
+    return Mesh(hybrid_grid(shape, slow, devices), AXES, axis_types=axis_types)
   if len(devices) == jax.device_count():
     return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=axis_types, devices=devices)
   device_grid = np.asarray(devices).reshape(tuple(shape[a] for a in AXES))
   return Mesh(device_grid, AXES, axis_types=axis_types)
+
+
+class _SimulatedSlice:
+  """A device of one process standing in one of several slices: create_hybrid_device_mesh groups
+  devices by `slice_index`, which one process's devices share."""
+
+  def __init__(self, device, slice_index: int):
+    self.device, self.slice_index = device, slice_index
+
+  def __getattr__(self, name):
+    return getattr(self.device, name)
+
+
+def hybrid_grid(shape: dict[str, int], slow: dict[str, int], devices) -> np.ndarray:
+  """The devices as a grid of `shape`, each axis's slow-tier part outermost (create_hybrid_device_mesh).
+
+  The groups are TPU slices where the devices span several, else processes (one per GPU host),
+  else, in one process (the dry run, the tests), equal runs of consecutive devices standing for them.
+  """
+  groups = math.prod(slow.values())
+  inner = [shape[a] // slow[a] for a in AXES]
+  outer = [slow[a] for a in AXES]
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  processes = {d.process_index for d in devices}
+  if len(slices) > 1 or len(processes) > 1:
+    found, what = (len(slices), "slices") if len(slices) > 1 else (len(processes), "processes")
+    if found != groups:
+      raise ValueError(f"mesh.dcn_* ask for {groups} slow-tier groups (slices or hosts), but the devices span "
+                       f"{found} {what}; make the mesh.dcn_* sizes multiply to {found}.")
+    return mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=len(slices) <= 1)
+  per_group = len(devices) // groups
+  standing_in = [_SimulatedSlice(d, i // per_group) for i, d in enumerate(devices)]
+  grid = mesh_utils.create_hybrid_device_mesh(inner, outer, standing_in)
+  return np.vectorize(lambda d: d.device, otypes=[object])(grid)
+
+
+def slow_tier_groups(mesh: Mesh, slow: dict[str, int]) -> np.ndarray:
+  """Each mesh position's slow-tier group, numbered in mesh order: hybrid_grid puts each axis's
+  slow-tier part outermost, so a device's group is its coordinates divided by the inner sizes."""
+  inner = [mesh.shape[a] // slow.get(a, 1) for a in mesh.axis_names]
+  outer = [slow.get(a, 1) for a in mesh.axis_names]
+  coords = np.indices(mesh.devices.shape)
+  group_coords = [c // i for c, i in zip(coords, inner)]
+  return np.ravel_multi_index(group_coords, outer)
 
 
 def _describe(sizes: dict[str, int]) -> str:
