@@ -3,7 +3,9 @@
 RMSNorm, rotary positions, SwiGLU, grouped-query attention (kv_heads < heads),
 no biases, untied embeddings. `tiny` trains on the built-in byte corpus on a
 CPU; `long` is tiny with a 4,096-token context, for sequence parallelism;
-`1b` is a Llama-3.2-1B-shaped model for accelerators. `moe_<variant>` makes
+`1b` is a Llama-3.2-1B-shaped model for accelerators; `8b`, `70b` and `405b` are
+Llama 3.1's shapes (Llama Team, "The Llama 3 Herd of Models", 2024, table 3), for
+planning (tools/plan.py) and dry runs. `moe_<variant>` makes
 every other layer's SwiGLU a mixture of 8 experts with top-2 routing.
 """
 
@@ -14,7 +16,11 @@ SIZES = {
     "tiny": (2, 4, 2, 128, 384, 128),
     "long": (2, 4, 2, 128, 384, 4096),
     "1b": (16, 32, 8, 2048, 8192, 2048),
+    "8b": (32, 32, 8, 4096, 14336, 8192),
+    "70b": (80, 64, 8, 8192, 28672, 8192),
+    "405b": (126, 128, 8, 16384, 53248, 8192),
 }
+CPU_VARIANTS = ("tiny", "long")
 
 
 def get_config(variant: str = "tiny"):
@@ -31,8 +37,8 @@ def get_config(variant: str = "tiny"):
   c.model.family = "llama"
   c.model.num_layers, c.model.num_heads, c.model.kv_heads = layers, heads, kv_heads
   c.model.embed_dim, c.model.mlp_dim, c.model.max_len = width, mlp, context
-  c.model.rope_theta = 500000.0 if variant == "1b" else 10000.0
-  if variant == "1b":
+  c.model.rope_theta = 10000.0 if variant in CPU_VARIANTS else 500000.0
+  if variant not in CPU_VARIANTS:
     c.model.vocab_size = 128256
     c.batch_size, c.steps, c.optimizer.lr = 32, 5000, 3e-4
     return c

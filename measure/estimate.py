@@ -115,15 +115,27 @@ def dims(config, mesh: dict) -> Dims:
 
 def shard_elements(weight: Weight, mesh: dict, table) -> int:
   """Elements of one weight on one device when laid out by a rules table."""
-  spec = rules.spec(weight.axes, table)
+  return _shard_elements(weight, tuple(mesh.items()), table)
+
+
+def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
+  return _sharded_over(weight, tuple(mesh.items()), table)
+
+
+# Cached: the layout planner asks the same weights on the same meshes thousands of times.
+@functools.cache
+def _shard_elements(weight: Weight, mesh_items: tuple, table) -> int:
+  mesh, spec = dict(mesh_items), rules.spec(weight.axes, table)
   size = 1
   for dim, entry in zip(weight.shape, tuple(spec) + (None,) * len(weight.shape)):
     size *= -(-dim // math.prod(mesh[a] for a in rules.entry_axes(entry)))
   return size
 
 
-def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
-  return {a for e in rules.spec(weight.axes, table) for a in rules.entry_axes(e) if mesh[a] > 1}
+@functools.cache
+def _sharded_over(weight: Weight, mesh_items: tuple, table) -> frozenset[str]:
+  mesh = dict(mesh_items)
+  return frozenset(a for e in rules.spec(weight.axes, table) for a in rules.entry_axes(e) if mesh[a] > 1)
 
 
 def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
@@ -410,12 +422,24 @@ def _gather(n: int, d: int) -> int:
 def collectives(config, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str], int]:
   """Ring bytes one device sends per step, by (kind, axes)."""
   traffic = collections.Counter()
-  _gradients(config, mesh, weights, traffic)
-  _tensor_parallel(config, mesh, traffic)
-  _pipeline(config, mesh, weights, traffic)
-  _context(config, mesh, traffic)
-  _experts(config, mesh, traffic)
-  return {key: value for key, value in traffic.items() if value}
+  for part in collectives_by_source(config, mesh, weights).values():
+    traffic.update(part)
+  return dict(traffic)
+
+
+def collectives_by_source(config, mesh: dict, weights: list[Weight]) -> dict[str, dict[tuple[str, str], int]]:
+  """collectives' bytes by what sends them: "gradients" (data parallelism and ZeRO), "tensor",
+  "pipeline", "context" (the `sequence` axis) and "experts"; a step-time model overlaps each its own way."""
+  out = {}
+  for source, count in (("gradients", lambda t: _gradients(config, mesh, weights, t)),
+                        ("tensor", lambda t: _tensor_parallel(config, mesh, t)),
+                        ("pipeline", lambda t: _pipeline(config, mesh, weights, t)),
+                        ("context", lambda t: _context(config, mesh, t)),
+                        ("experts", lambda t: _experts(config, mesh, t))):
+    traffic = collections.Counter()
+    count(traffic)
+    out[source] = {key: value for key, value in traffic.items() if value}
+  return out
 
 
 def _gradients(config, mesh, weights, traffic):
@@ -477,7 +501,7 @@ def _gathered_bytes(config, w: Weight, weights: list[Weight]) -> int:
   return _compute_bytes(config) if multiplied else MASTER_BYTES
 
 
-def _layer_passes(config, mesh) -> tuple[int, int]:
+def layer_passes(config, mesh) -> tuple[int, int]:
   """(forward, backward) runs of one device's layers per step, counted in micro-batches.
 
   Recomputation (a remat policy) runs the forward again.
@@ -508,7 +532,7 @@ def _tensor_parallel(config, mesh, traffic):
   if mesh[TENSOR] == 1:
     return
   d, t = dims(config, mesh), mesh[TENSOR]
-  forward, backward = _layer_passes(config, mesh)
+  forward, backward = layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
   tokens = _all_reduce(d.activation_bytes(d.embed), t)
   per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
@@ -562,7 +586,7 @@ def _context(config, mesh, traffic):
   if shards == 1:
     return
   d, strategy = dims(config, mesh), config.attention.context
-  forward, backward = _layer_passes(config, mesh)
+  forward, backward = layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]  # a pipeline stage's
   kv = d.activation_bytes(d.kv_heads * d.head_dim)
   q = d.activation_bytes(d.heads * d.head_dim)
@@ -596,7 +620,7 @@ def _experts(config, mesh, traffic):
   if mesh[EXPERT] == 1 or not config.moe.experts:
     return
   d, m = dims(config, mesh), config.moe
-  forward, backward = _layer_passes(config, mesh)
+  forward, backward = layer_passes(config, mesh)
   layers = config.model.num_layers // m.every // mesh[PIPELINE]
   capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
   tokens = m.experts * d.batch * capacity * d.embed * d.compute_bytes
@@ -614,7 +638,7 @@ def _head(config, weights) -> list[Weight]:
   return [w for w in weights if w.axes == axes]
 
 
-def _stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
+def stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   """Forward matmul FLOPs of one device's layers on one micro-batch, by part.
 
   dense: the layers' weight matrices, 2 FLOPs per element per token (QKV, out, MLP, router); mlp_in and
@@ -681,8 +705,8 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   stage's residuals instead of rerunning the forward).
   """
   d = dims(config, mesh)
-  _, runs = _layer_passes(config, mesh)  # micro-batches each layer runs forward and backward
-  parts = _stage_forward(config, d, mesh, weights)
+  _, runs = layer_passes(config, mesh)  # micro-batches each layer runs forward and backward
+  parts = stage_forward(config, d, mesh, weights)
   forward = sum(v for k, v in parts.items() if k not in _PARTS_OF_DENSE)
   recompute = _recomputed(config, parts)
   if d.context == "ring":  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does

@@ -16,6 +16,8 @@ tables printed are the schedule the code runs.
   (M + P - 1) forward and (M + P - 1) backward slot-times: GPipe's bubble.
 """
 
+import functools
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -80,6 +82,7 @@ def timeline(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> lis
   return rows
 
 
+@functools.cache  # pure, and the layout planner asks the same ones thousands of times
 def busy_slots(schedule: str, *, stages: int, micro: int, virtual: int = 1) -> dict[int, int]:
   """{the schedule's ticks: the ticks a stage's slot is busy}, the same for each slot and stage.
 

@@ -67,6 +67,8 @@ def shrunk_config(config, mesh_shape: dict, live_count: int, fits=lambda replica
         smaller = config.copy_and_resolve_references()
         for axis in AXES:
           smaller.mesh[axis] = replicas if axis == DATA else 1 if group and axis == EXPERT else mesh_shape[axis]
+          # The survivors' devices no longer fill whole slices or hosts: their mesh has one tier.
+          smaller.mesh[f"dcn_{axis}"] = 1
         if group:
           smaller.sharding.fsdp_group = math.gcd(group, replicas)
         smaller.grad_accum = grad_accum

@@ -1,0 +1,211 @@
+"""How long a step takes on a cluster, by arithmetic: tokens/s and MFU for any config and layout.
+
+Beside the memory estimate (measure/estimate.py), from the same per-device figures:
+- compute: the busiest device's matmul FLOPs per step (the layers, the head and
+  what the remat policy recomputes) at the device's peak times an achievable
+  fraction, calibrated once per device kind (measure/calibration.py);
+- communication: each collective's ring bytes split by network tier
+  (measure/tiers.py) over that tier's bandwidth per device, plus a per-hop
+  latency for each call;
+- the pipeline's bubble: a pipelined step's layers take 1 / (1 - bubble) of
+  their busy time, bubble = (P - 1) / (VM + P - 1) (parallel/schedules.py).
+
+What hides behind compute is stated, not fitted:
+- data parallelism's gradient reductions run under the backward pass, a layer's
+  bucket at a time, so all but the last layer's bucket hide as long as the
+  backward pass lasts; under a pipeline they wait for its flush (meshlm reduces
+  once per step what its stages summed, as Megatron-LM does), and are exposed.
+- ZeRO-3's gathers are prefetched a layer ahead, hiding under the forward and
+  backward passes all but the first layer's; ZeRO-1's gather of the updated
+  weights follows the optimizer and is exposed.
+- ring attention's hops hide under the attention of the block in hand.
+- the offloading remat policies' copies to host memory and back hide under
+  both passes, all but a layer's.
+- everything else is exposed: tensor parallelism's all-reduces and the
+  all-to-alls of Ulysses and of experts sit between the matmuls that need them,
+  and a pipeline's hand-offs between its ticks.
+"""
+
+import dataclasses
+import math
+
+from measure import estimate, tiers
+from measure.hardware import Cluster
+from parallel import schedules
+from parallel.mesh import PIPELINE, SEQUENCE
+
+# Seconds per hop of a ring step: NCCL's and XLA's collectives pay a few microseconds per step on
+# NVLink and ICI and some more across hosts (stated round figures, not measured here; they matter
+# only for small messages).
+HOP_LATENCY = {"gpu": {tiers.FAST: 5e-6, tiers.SLOW: 10e-6}, "tpu": {tiers.FAST: 1e-6, tiers.SLOW: 10e-6}}
+
+# Bytes/s one way between a GPU and its host's memory, where the offloading remat policies park what
+# the backward pass needs: PCIe 4.0 x16 on A100 and PCIe 5.0 x16 on Hopper and Blackwell (16 and 32 GT/s
+# per lane, 128b/130b coding: about 32 and 64 GB/s). TPUs' host links are not modeled, so the planner
+# does not offload there.
+HOST_LINK = {"a100": 32e9, "h100": 64e9, "h200": 64e9, "b200": 64e9}
+
+# Where each source's collectives hide (module docstring): behind the backward pass, behind both passes,
+# behind attention, or nowhere.
+BACKWARD, BOTH_PASSES, ATTENTION, EXPOSED = "backward", "both passes", "attention", "exposed"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """One step's predicted time on one device, in seconds, and what follows from it."""
+  compute: float  # matmuls at the achievable rate, the busy ticks only
+  bubble: float  # a pipeline's idle ticks
+  communication: dict[str, float]  # by source (estimate.collectives_by_source): seconds on the links
+  exposed: dict[str, float]  # by source: the part that does not hide behind compute
+  bytes_by_tier: dict[str, int]  # ring bytes per device per step: "fast", "slow"
+  step: float
+  tokens_per_second: float  # the whole cluster's
+  mfu: float  # the textbook's FLOPs (6N + attention, no recompute) over step x peak
+  flops_per_device: int  # matmul FLOPs the busiest device runs per step, recompute included
+
+
+def hops(kind: str, inside: int, groups: int) -> dict[str, int]:
+  """Ring steps of one call, by tier: an all-reduce's 2(a-1) inside and 2(b-1) across, half that for
+  gathers and scatters, one step per peer for an all-to-all, one for a permute."""
+  if kind == "collective-permute":
+    return {tiers.FAST: 1, tiers.SLOW: 0} if groups == 1 else {tiers.FAST: 0, tiers.SLOW: 1}
+  if kind == "all-to-all":
+    return {tiers.FAST: inside - 1, tiers.SLOW: inside * (groups - 1)}
+  rounds = 2 if kind == "all-reduce" else 1
+  return {tiers.FAST: rounds * (inside - 1), tiers.SLOW: rounds * (groups - 1)}
+
+
+def calls(config, mesh: dict, source: str, kind: str) -> int:
+  """How many times per step a source's collective of `kind` runs: once per layer and pass for the
+  collectives inside the layers, per tick for a pipeline's hand-offs, per layer's bucket and micro-batch
+  for gradient reductions (as XLA's and DDP's combiners group them)."""
+  forward, backward = estimate.layer_passes(config, mesh)
+  layers = config.model.num_layers // mesh[PIPELINE]
+  per_pass = (forward + backward) * layers
+  if source == "tensor":
+    return 2 * per_pass
+  if source == "context":
+    return per_pass * {"ring": mesh[SEQUENCE] - 1, "ulysses": 4}.get(config.attention.context, 2)
+  if source == "experts":
+    return 2 * per_pass // max(config.moe.every, 1)
+  if source == "pipeline":
+    p = config.pipeline
+    ticks = (schedules.one_f_one_b_ticks(stages=mesh[PIPELINE], micro=p.microbatches) if p.schedule == "1f1b"
+             else schedules.circular_ticks(stages=mesh[PIPELINE], micro=p.microbatches,
+                                           virtual=p.virtual_stages if p.schedule == "interleaved" else 1))
+    return 2 * ticks * config.grad_accum
+  return config.grad_accum * layers if kind != "all-gather" else per_pass
+
+
+def hiding_place(config, mesh: dict, source: str, kind: str) -> str:
+  """Where a source's collective of `kind` hides (module docstring)."""
+  if source == "gradients":
+    if kind == "all-gather":
+      return BOTH_PASSES if config.sharding.zero == 3 else EXPOSED
+    return BACKWARD if mesh[PIPELINE] == 1 else EXPOSED
+  if source == "context" and kind == "collective-permute":
+    return ATTENTION
+  return EXPOSED
+
+
+def collective_seconds(kind: str, axes_key: str, by_tier: dict[str, int], count: int, mesh: dict, slow: dict,
+                       cluster: Cluster) -> float:
+  """One step's seconds of one (kind, axes): each tier's bytes over its bandwidth per device, and each
+  call's hops at the tier's latency. A permute any of whose pairs crosses the slow tier is paced by it."""
+  axes = axes_key.split("+")
+  groups = math.prod(slow.get(a, 1) for a in axes)
+  inside = math.prod(mesh.get(a, 1) for a in axes) // groups
+  bandwidth = {tiers.FAST: cluster.kind.fast_link_bandwidth, tiers.SLOW: cluster.slow_link_bandwidth}
+  latency = HOP_LATENCY["tpu" if cluster.kind.name.startswith("tpu") else "gpu"]
+  if kind == "collective-permute" and by_tier[tiers.SLOW]:
+    seconds = (by_tier[tiers.FAST] + by_tier[tiers.SLOW]) / bandwidth[tiers.SLOW]
+  else:
+    seconds = sum(by_tier[t] / bandwidth[t] for t in bandwidth)
+  steps = hops(kind, inside, groups)
+  return seconds + count * sum(steps[t] * latency[t] for t in latency)
+
+
+def host_link_bandwidth(cluster: Cluster) -> float | None:
+  return HOST_LINK.get(cluster.kind.name)
+
+
+def offload_seconds(config, mesh: dict, cluster: Cluster) -> float:
+  """Seconds per step of the offloading remat policies' copies: each layer's offloaded values out in the
+  forward pass and back in the backward pass, per micro-batch, over the host link."""
+  saved = estimate.saved_per_layer(config, mesh)["host"]
+  if not saved:
+    return 0.0
+  bandwidth = host_link_bandwidth(cluster)
+  if bandwidth is None:
+    raise ValueError(f"model.remat={config.model.remat} offloads to host memory, whose link on "
+                     f"{cluster.kind.name} has no figure here; plan with a policy that keeps to the device.")
+  forward, _ = estimate.layer_passes(config, mesh)
+  runs = forward // (2 if config.model.remat == "full_offload" else 1)
+  return 2 * saved * runs * (config.model.num_layers // mesh[PIPELINE]) / bandwidth
+
+
+def peak_flops(config, cluster: Cluster) -> float:
+  """The device's peak for the step's compute dtype: fp8's for float8 where the device has it."""
+  compute = config.precision.compute
+  if compute == "float32":
+    raise ValueError("precision.compute=float32 has no step-time model (peak figures are for bf16 and fp8 "
+                     "tensor cores); plan with precision.compute=bfloat16.")
+  if compute == "float8" and cluster.kind.fp8_flops:
+    return cluster.kind.fp8_flops
+  return cluster.kind.bf16_flops
+
+
+def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, achievable: float) -> StepTime:
+  """The step's time on `cluster` for `config` on `mesh` (axis sizes after hybrid sharding), `slow` its
+  slow-tier groups per axis (parallel.mesh.slow_tier_shape), `achievable` the fraction of peak the
+  device's matmuls reach (measure/calibration.py)."""
+  rate = peak_flops(config, cluster) * achievable
+  flops = estimate.flops(config, mesh, weights)
+  layers_seconds = (flops["layers"] + flops["recompute"]) / rate
+  stages = mesh[PIPELINE]
+  bubble = 0.0
+  if stages > 1:
+    p = config.pipeline
+    virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+    idle = schedules.bubble_over_total(stages=stages, micro=p.microbatches, virtual=virtual)
+    bubble = layers_seconds * idle / (1 - idle)
+  compute = layers_seconds + flops["head"] / rate
+  # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.
+  backward_seconds = (flops["layers"] * 2 / 3 + flops["recompute"]) / rate
+  window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: _attention_seconds(
+      config, mesh, weights, rate), EXPOSED: 0.0}
+  layers_per_stage = config.model.num_layers // stages
+  communication, exposed, totals = {}, {}, dict.fromkeys((tiers.FAST, tiers.SLOW), 0)
+  for source, traffic in estimate.collectives_by_source(config, mesh, weights).items():
+    split = tiers.split(traffic, mesh, slow, config.pipeline.schedule)
+    hidden_by = {}
+    for (kind, axes), by_tier in split.items():
+      seconds = collective_seconds(kind, axes, by_tier, calls(config, mesh, source, kind), mesh, slow, cluster)
+      place = hiding_place(config, mesh, source, kind)
+      hidden_by[place] = hidden_by.get(place, 0.0) + seconds
+      for tier in totals:
+        totals[tier] += by_tier[tier]
+    communication[source] = sum(hidden_by.values())
+    # What hides leaves its last (or first) layer's share exposed; the rest shows only beyond its window.
+    exposed[source] = sum(seconds if place == EXPOSED else
+                          max(seconds - window[place], seconds / layers_per_stage)
+                          for place, seconds in hidden_by.items())
+  offload = offload_seconds(config, mesh, cluster)
+  if offload:
+    communication["offload"] = offload
+    exposed["offload"] = max(offload - layers_seconds, offload / layers_per_stage)
+  step = compute + bubble + sum(exposed.values())
+  tokens = config.batch_size * config.model.max_len
+  ideal = estimate.ideal_flops(config, mesh, weights)
+  return StepTime(compute=compute, bubble=bubble, communication=communication, exposed=exposed,
+                  bytes_by_tier=totals, step=step, tokens_per_second=tokens / step,
+                  mfu=ideal / (step * peak_flops(config, cluster)), flops_per_device=flops["total"])
+
+
+def _attention_seconds(config, mesh: dict, weights: list, rate: float) -> float:
+  """The attention matmuls' seconds per step (QK^T and PV, forward and backward): ring attention's hops
+  hide under them."""
+  d = estimate.dims(config, mesh)
+  forward, backward = estimate.layer_passes(config, mesh)
+  parts = estimate.stage_forward(config, d, mesh, weights)
+  return (parts["scores"] + parts["values"]) * (forward + 2 * backward) / rate

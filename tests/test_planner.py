@@ -1,0 +1,96 @@
+"""The layout planner on a small cluster of simulated devices: its top layout compiles to what it
+predicted, nothing that does not fit is ranked, and a model too big for the cluster gets one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from configs.gpt2 import get_config
+from helpers import ROOT
+from measure import analysis, calibration, estimate, hardware, planner, tiers
+from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
+from parallel.mesh import slow_tier_shape
+from training.state import plan
+
+# 8 devices as 2 hosts of 4, so that layouts choose what crosses the slow tier.
+CLUSTER = hardware.cluster("h100", 8, fast_group=4)
+
+
+def tiny_bf16():
+  c = get_config("tiny")
+  c.precision.compute, c.batch_size, c.model.num_layers = "bfloat16", 16, 4
+  return c
+
+
+@pytest.fixture(scope="module")
+def ranked():
+  config = tiny_bf16()
+  result = planner.search(config, CLUSTER, model_weights(config), calibration.achievable_fraction("h100"), top=3)
+  return config, result
+
+
+def test_the_top_layout_compiles_to_the_memory_and_bytes_it_predicted(ranked):
+  config, result = ranked
+  top = result.ranked[0]
+  candidate = planner.configured(config, top.flags)
+  layout = plan(candidate)
+  mesh = dict(layout.mesh.shape)
+  assert mesh == top.mesh
+  compiled, partitioned = compile_partitioned_train_step(layout, candidate)
+  found = analysis.collectives(compiled, layout.mesh, partitioned, busy_slots(candidate, mesh),
+                               slow_tier_shape(candidate.mesh, mesh))
+  sent = analysis.tier_traffic_per_step(found)
+  for tier in (tiers.FAST, tiers.SLOW):
+    compiled_bytes = sum(t[tier] for t in sent.values())
+    assert top.time.bytes_by_tier[tier] == pytest.approx(compiled_bytes, rel=0.10, abs=4096), tier
+  measured = analysis.memory_summary(compiled)
+  # The estimator's bands (tests/test_estimate.py): arguments and temporaries each within 15%.
+  assert top.memory["params"] + top.memory["opt_state"] + top.memory["batch"] == pytest.approx(
+      measured["argument_bytes"], rel=0.15)
+  assert top.memory["grads"] + top.memory["activations"] == pytest.approx(measured["temp_bytes"], rel=0.15)
+
+
+def test_the_ranking_is_by_predicted_step_and_each_command_runs_its_flags(ranked):
+  config, result = ranked
+  steps = [c.time.step for c in result.ranked]
+  assert steps == sorted(steps) and len(steps) == 3
+  for choice in result.ranked:
+    assert all(f"--config.{key}={value}" in choice.command("configs/gpt2.py:tiny") for key, value in choice.flags.items())
+    assert planner.configured(config, choice.flags).mesh.data == choice.axes["data"]
+
+
+def test_a_layout_that_does_not_fit_is_never_ranked():
+  config = tiny_bf16()
+  weights = model_weights(config)
+  achievable = calibration.achievable_fraction("h100")
+  roomy = planner.search(config, CLUSTER, weights, achievable, top=50).ranked
+  # A budget just under the roomy search's most frugal choice: the frugal choices must give way.
+  least = min(c.device_bytes for c in roomy)
+  headroom = 1 - least * 0.99 / CLUSTER.kind.hbm_bytes
+  tight = planner.search(config, CLUSTER, weights, achievable, headroom=headroom, top=50).ranked
+  budget = CLUSTER.kind.hbm_bytes * (1 - headroom)
+  assert all(c.device_bytes <= budget for c in tight)
+  assert all(sum(estimate.memory(planner.configured(config, c.flags), c.mesh, weights).values()) <= budget
+             for c in tight)
+  assert not any(c.device_bytes == least for c in tight)
+
+
+def test_a_model_too_big_for_the_cluster_gets_one_line_naming_the_smallest_it_fits():
+  result = subprocess.run([sys.executable, "tools/plan.py", "--config=configs/llama.py:405b", "--kind=h100",
+                           "--devices=8", "--global_batch=16", "--seq_len=4096"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=250)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: no layout of this model (126 layers of width 16384, batch 16 x 4096 tokens) "
+                         "fits 8 h100 devices of 80 GB; the smallest h100 cluster it fits on, doubling from 8, is ")
+  smallest = int(last.split(" is ")[-1].split()[0])
+  assert smallest in (64, 128, 256), last
+
+
+def test_an_unknown_kind_is_refused_in_one_line():
+  result = subprocess.run([sys.executable, "tools/plan.py", "--kind=h1000", "--devices=8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == ["error: unknown device kind 'h1000'; give one of a100, h100, h200, "
+                                                "b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e."]
