@@ -26,6 +26,17 @@ def load(spec: str) -> ml_collections.ConfigDict:
   return config
 
 
+def set_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
+  """`config` with each dotted field of `fields` set to its value (already of the field's type); returned."""
+  for path, value in fields.items():
+    *parents, leaf = path.split(".")
+    node = config
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return config
+
+
 def override(config: ml_collections.ConfigDict, path: str, text: str) -> None:
   """Set the dotted field `path` from `text`, parsed as the type the field already has."""
   *parents, leaf = path.split(".")

@@ -7,7 +7,7 @@ Clusters Using Megatron-LM" (arXiv 2104.04473), Table 1: GPT models (learned
 positions, LayerNorm, GeLU MLP of 4x the width, tied head: meshlm's gpt2
 family) with a 51,200-token vocabulary and 2,048-token sequences (section 5.1),
 trained in mixed precision with activation recomputation on A100s of 80 GB.
-ROWS keeps each row's layout and measured throughput; `python tools/megatron_check.py`
+ROWS keeps each row's layout and measured throughput; `python tools/planning_tables.py`
 puts the planner beside them.
 """
 

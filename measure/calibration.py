@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 from configs.base import base
+from configs.load import set_fields
 from measure import hardware, step_time
 from parallel.mesh import DATA, EXPERT, hybrid_shape, mesh_shape
 
@@ -100,10 +101,7 @@ def reference_config(reference: Reference):
   c.model.family, c.model.num_layers, c.model.num_heads, c.model.kv_heads = family, layers, heads, kv_heads
   c.model.embed_dim, c.model.mlp_dim, c.model.vocab_size, c.model.max_len = width, mlp, vocab, reference.seq_len
   c.batch_size, c.mesh.data = reference.batch, reference.devices
-  for key, value in reference.flags.items():
-    section, _, field = key.rpartition(".")
-    (c[section] if section else c)[field] = value
-  return c
+  return set_fields(c, reference.flags)
 
 
 def predicted_step(reference: Reference, achievable: float, weights=None) -> float:

@@ -24,6 +24,7 @@ import types
 
 import ml_collections
 
+from configs.load import set_fields
 from measure import estimate, step_time
 from measure.hardware import Cluster
 from model.config import REMAT_POLICIES
@@ -38,7 +39,6 @@ MLP_CHUNKS = (0, 4096)
 CONTEXTS = ("ring", "ulysses", "allgather")
 MEMORY_KNOBS = ("model.remat", "model.mlp_chunk", "grad_accum")
 VIRTUAL_STAGES = (2, 4)
-MICRO_PER_STAGE = (1, 2, 4, 8)  # pipeline micro-batches, as multiples of the stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +114,12 @@ def structures(config, mesh: dict, slow: dict):
       shardings += [{"sharding.zero": zero, "sharding.fsdp_group": g}
                     for g in divisors(replicas_in_group) if 1 < g < mesh[DATA] and (mesh[DATA] // g) % slow[DATA] == 0]
   if mesh[PIPELINE] > 1:
-    stages = mesh[PIPELINE]
-    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": stages * k}
-                 for s in ("gpipe", "1f1b") for k in MICRO_PER_STAGE]
-    schedules += [{"pipeline.schedule": "interleaved", "pipeline.virtual_stages": v, "pipeline.microbatches": stages * k}
-                  for v in VIRTUAL_STAGES for k in MICRO_PER_STAGE]
+    # Any micro-batch count from one per stage up to one sequence each (interleaved: a multiple of the stages).
+    stages, per_replica = mesh[PIPELINE], config.batch_size // (mesh[DATA] * mesh[EXPERT])
+    counts = [m for m in divisors(per_replica) if m >= stages]
+    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": m} for s in ("gpipe", "1f1b") for m in counts]
+    schedules += [{"pipeline.schedule": "interleaved", "pipeline.virtual_stages": v, "pipeline.microbatches": m}
+                  for v in VIRTUAL_STAGES for m in counts if m % stages == 0]
   else:
     schedules = [{}]
   contexts = [{"attention.context": c} for c in CONTEXTS] if mesh[SEQUENCE] > 1 else [{}]
@@ -130,14 +131,7 @@ def configured(config, flags: dict):
   """`config` with `flags` (dotted keys) set: a ConfigDict for one, or a namespace (`scoring_view`) cheaply
   for the thousands the search scores, sharing every part no flag touches."""
   if isinstance(config, ml_collections.ConfigDict):
-    out = config.copy_and_resolve_references()
-    for key, value in flags.items():
-      *path, last = key.split(".")
-      node = out
-      for part in path:
-        node = node[part]
-      node[last] = value
-    return out
+    return set_fields(config.copy_and_resolve_references(), flags)
   out = copy.copy(config)
   for key, value in flags.items():
     *path, last = key.split(".")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs.gpt2 import get_config
+from configs.load import set_fields
 from input_pipeline import data
 from model.placement import placed
 from parallel import placement
@@ -28,13 +29,7 @@ def tiny_config(**overrides):
   c = get_config("tiny")
   c.model.num_layers, c.model.embed_dim, c.model.mlp_dim, c.model.max_len = 2, 64, 256, 32
   c.batch_size, c.steps, c.schedule.warmup_steps = 16, 10, 2
-  for path, value in overrides.items():
-    *parents, leaf = path.split(".")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return set_fields(c, overrides)
 
 
 def read_metrics(workdir):

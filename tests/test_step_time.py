@@ -3,6 +3,7 @@
 import pytest
 
 from configs.gpt2 import get_config
+from configs.load import set_fields
 from measure import calibration, estimate, hardware, step_time, tiers
 from measure.dry_run import model_weights
 
@@ -13,10 +14,7 @@ MESH = {"data": 1, "pipeline": 1, "expert": 1, "sequence": 1, "tensor": 1}
 def gpt2(**overrides):
   c = get_config("124m")
   c.precision.compute, c.batch_size = "bfloat16", 8
-  for key, value in overrides.items():
-    section, _, field = key.rpartition(".")
-    (c[section] if section else c)[field] = value
-  return c
+  return set_fields(c, overrides)
 
 
 def test_hops_by_hand():
