@@ -116,7 +116,8 @@ def predicted_step(reference: Reference, achievable: float, weights=None) -> flo
 
 @functools.cache
 def achievable_fraction(kind: str) -> float:
-  """The fraction at which step_time predicts the kind's reference run's measured step, to 1e-4."""
+  """The fraction at which step_time predicts the kind's reference run's measured step (to 1e-4 of the
+  range searched, 0.01 to 1)."""
   if kind not in REFERENCES:
     raise ValueError(f"device kind {kind!r} has no calibration run; give one of {', '.join(REFERENCES)}.")
   from measure.dry_run import model_weights
@@ -129,18 +130,20 @@ def achievable_fraction(kind: str) -> float:
   return fraction
 
 
-def solve(step_at, measured: float) -> float | None:
-  """The fraction in (0.01, 1] at which `step_at(fraction)` is `measured` seconds, by bisection (a higher
-  fraction only shortens the step), to 1e-4; None if even the full peak is slower than measured."""
-  low, high = 0.01, 1.0
-  if step_at(high) > measured:
+def solve(step_at, measured: float, low: float = 0.01, high: float = 1.0) -> float | None:
+  """The x in [low, high] at which `step_at(x)` is `measured` seconds, by bisection to 1e-4 of the range
+  (`step_at` monotonic either way); None if `measured` lies beyond both ends' steps."""
+  at_low, at_high = step_at(low), step_at(high)
+  if not min(at_low, at_high) <= measured <= max(at_low, at_high):
     return None
-  while high - low > 1e-4:
+  rising = at_high > at_low
+  tolerance = (high - low) * 1e-4
+  while high - low > tolerance:
     middle = (low + high) / 2
-    if step_at(middle) > measured:
-      low = middle
-    else:
+    if (step_at(middle) > measured) == rising:
       high = middle
+    else:
+      low = middle
   return (low + high) / 2
 
 

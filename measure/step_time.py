@@ -155,13 +155,17 @@ def peak_flops(config, cluster: Cluster) -> float:
   return cluster.kind.bf16_flops
 
 
-def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, achievable: float) -> StepTime:
+def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, achievable: float,
+            attention_slowdown: float = 1.0) -> StepTime:
   """The step's time on `cluster` for `config` on `mesh` (axis sizes after hybrid sharding), `slow` its
   slow-tier groups per axis (parallel.mesh.slow_tier_shape), `achievable` the fraction of peak the
-  device's matmuls reach (measure/calibration.py)."""
+  device's matmuls reach (measure/calibration.py). `attention_slowdown`: how many times longer
+  attention's FLOPs (QK^T and PV) take than the weight matmuls'; 1 for fused (flash-style) attention,
+  which meshlm and the calibration runs use, more for attention that writes its scores to memory."""
   rate = peak_flops(config, cluster) * achievable
   flops = estimate.flops(config, mesh, weights)
-  layers_seconds = (flops["layers"] + flops["recompute"]) / rate
+  attention = _attention_seconds(config, mesh, weights, rate) * attention_slowdown
+  layers_seconds = (flops["layers"] + flops["recompute"]) / rate + attention * (1 - 1 / attention_slowdown)
   stages = mesh[PIPELINE]
   bubble = 0.0
   if stages > 1:
@@ -172,8 +176,7 @@ def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, ach
   compute = layers_seconds + flops["head"] / rate
   # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.
   backward_seconds = (flops["layers"] * 2 / 3 + flops["recompute"]) / rate
-  window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: _attention_seconds(
-      config, mesh, weights, rate), EXPOSED: 0.0}
+  window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: attention, EXPOSED: 0.0}
   layers_per_stage = config.model.num_layers // stages
   communication, exposed, totals = {}, {}, dict.fromkeys((tiers.FAST, tiers.SLOW), 0)
   for source, traffic in estimate.collectives_by_source(config, mesh, weights).items():

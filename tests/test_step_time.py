@@ -84,3 +84,14 @@ def test_each_kind_is_calibrated_to_its_reference_runs_step(kind):
   reference = calibration.REFERENCES[kind]
   assert 0.1 < fraction < 1
   assert calibration.predicted_step(reference, fraction) == pytest.approx(reference.step_seconds, rel=1e-3)
+
+
+def test_attention_slower_than_the_matmuls_lengthens_the_step_by_its_extra_time():
+  config, weights = gpt2(**{"model.max_len": 1024}), model_weights(gpt2())
+  cluster = hardware.cluster("h100", 1)
+  fused = step_time.predict(config, MESH, {}, cluster, weights, 0.5)
+  unfused = step_time.predict(config, MESH, {}, cluster, weights, 0.5, attention_slowdown=4)
+  d = estimate.dims(config, MESH)
+  parts = estimate.stage_forward(config, d, MESH, weights)
+  attention = (parts["scores"] + parts["values"]) * 3 / (H100.bf16_flops * 0.5)  # forward once, backward twice
+  assert unfused.step - fused.step == pytest.approx(3 * attention, rel=1e-9)
