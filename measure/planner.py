@@ -27,13 +27,13 @@ import ml_collections
 from configs.load import set_fields
 from measure import estimate, step_time
 from measure.hardware import Cluster
-from model.config import REMAT_POLICIES
 from parallel.checks import check_divides
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, hybrid_shape
 from training.state import model_config
 
-# The memory knobs, fastest first within each: what the backward pass keeps, and the MLP in chunks of
-# this many tokens per device (recomputed in the backward pass) or whole.
+# The memory knobs, fastest first within each: what the backward pass keeps (every model.remat policy;
+# tests/test_planner.py holds the two lists equal), and the MLP whole or in chunks of this many tokens
+# per device (recomputed in the backward pass).
 REMAT_ORDER = ("none", "save_dots", "save_attention", "offload", "full", "full_offload")
 MLP_CHUNKS = (0, 4096)
 CONTEXTS = ("ring", "ulysses", "allgather")
@@ -49,7 +49,6 @@ class Choice:
   mesh: dict  # axis sizes as the step runs them (after hybrid sharding)
   slow: dict  # slow-tier groups per axis
   memory: dict  # estimate.memory's parts, bytes per device
-  host_bytes: int  # pinned host memory per device (the offloading remat policies)
   time: step_time.StepTime
 
   @property
@@ -169,7 +168,7 @@ def memory_knobs(config, mesh: dict, kind_has_host_link: bool):
   micro = config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1
   per_replica = config.batch_size // (mesh[DATA] * mesh[EXPERT] * micro)
   accums = [a for a in divisors(per_replica) if a & (a - 1) == 0]  # powers of two
-  policies = [p for p in REMAT_ORDER if p in REMAT_POLICIES and (kind_has_host_link or "offload" not in p)]
+  policies = [p for p in REMAT_ORDER if kind_has_host_link or "offload" not in p]
   tokens = per_replica * config.model.max_len // mesh[SEQUENCE]
   chunks = [c for c in MLP_CHUNKS if c < tokens]
   for remat, chunk in itertools.product(policies, chunks):
@@ -239,8 +238,8 @@ def _best_fitting(config, flags, mesh, slow, cluster, weights, achievable, budge
         continue
       predicted = step_time.predict(candidate, mesh, slow, cluster, weights, achievable)
       if best is None or predicted.step < best.time.step:
-        best = Choice(flags={**flags, **knobs}, axes={a: flags[f"mesh.{a}"] for a in AXES}, mesh=mesh, slow=slow, memory=memory,
-                      host_bytes=estimate.host_memory(candidate, mesh), time=predicted)
+        best = Choice(flags={**flags, **knobs}, axes={a: flags[f"mesh.{a}"] for a in AXES}, mesh=mesh, slow=slow,
+                      memory=memory, time=predicted)
       break
   return best, tried
 

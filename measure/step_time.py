@@ -94,7 +94,9 @@ def calls(config, mesh: dict, source: str, kind: str) -> int:
              else schedules.circular_ticks(stages=mesh[PIPELINE], micro=p.microbatches,
                                            virtual=p.virtual_stages if p.schedule == "interleaved" else 1))
     return 2 * ticks * config.grad_accum
-  return config.grad_accum * layers if kind != "all-gather" else per_pass
+  if kind == "all-gather":  # ZeRO-3 gathers each layer's weights in each pass, ZeRO-1 the updated ones once
+    return per_pass if config.sharding.zero == 3 else layers
+  return config.grad_accum * layers
 
 
 def hiding_place(config, mesh: dict, source: str, kind: str) -> str:

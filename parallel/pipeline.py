@@ -69,8 +69,11 @@ MANUAL = (PIPELINE, *TOKEN_AXES)
 
 def loss_and_grads(layout, params, batch, scale=None):
   """((objective, statistics), gradients of `scale` x objective) under the layout's schedule, each gradient laid
-  out as its weight: training/step.py's objective and statistics, each the mean over the micro-batches."""
-  grad_specs = jax.tree.map(_manual, layout.param_shardings)
+  out as its optimizer moments: training/step.py's objective and statistics, each the mean over the
+  micro-batches. Under ZeRO-1 as under ZeRO-3 a gradient leaves the stages reduce-scattered over `data`
+  (hybrid sharding: its groups), each device keeping the share its optimizer updates, as Megatron-LM's
+  distributed optimizer does; summed whole, it would cross the links twice."""
+  grad_specs = jax.tree.map(_manual, layout.moment_shardings)
   schedule = _one_f_one_b if layout.schedule == "1f1b" else _circular
   virtual = layout.virtual_stages if layout.schedule == "interleaved" else 1
   stages = layout.mesh.shape[PIPELINE]

@@ -57,13 +57,15 @@ def test_3d_parallel_1f1b_step_matches_unpipelined(reference):
 SHALLOW = {"model.num_layers": 2, "pipeline.microbatches": 2}
 
 
-@pytest.mark.parametrize("sharding", [{"mesh.data": 2, "mesh.tensor": 2}, {"mesh.data": 4, "sharding.fsdp_group": 2}],
-                         ids=["fsdp x tensor", "hybrid fsdp"])
-def test_pipeline_with_fsdp_and_grad_accumulation_matches_single_device(sharding):
+@pytest.mark.parametrize("sharding", [{"mesh.data": 2, "mesh.tensor": 2, "sharding.zero": 3},
+                                      {"mesh.data": 4, "sharding.fsdp_group": 2, "sharding.zero": 3},
+                                      {"mesh.data": 4, "sharding.zero": 1}],
+                         ids=["fsdp x tensor", "hybrid fsdp", "zero-1"])
+def test_pipeline_with_zero_and_grad_accumulation_matches_single_device(sharding):
   # ZeRO-3 shards the stage weights and their moments over data (or over hybrid sharding's groups on
-  # `expert`); each of 2 accumulated micro-batches runs the whole schedule. The parameters after STEPS
-  # steps see both.
-  combined = {**SHALLOW, **sharding, "mesh.pipeline": 2, "sharding.zero": 3, "grad_accum": 2}
+  # `expert`), ZeRO-1 the moments alone; either way the gradients leave the stages reduce-scattered. Each
+  # of 2 accumulated micro-batches runs the whole schedule; the parameters after STEPS steps see both.
+  combined = {**SHALLOW, **sharding, "mesh.pipeline": 2, "grad_accum": 2}
   loss, grads, params = run_layout(combined, jax.devices())
   ref_loss, ref_grads, ref_params = run_layout({**SHALLOW, "mesh.data": 1}, jax.devices()[:1])
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

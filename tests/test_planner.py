@@ -10,6 +10,7 @@ from configs.gpt2 import get_config
 from helpers import ROOT
 from measure import analysis, calibration, estimate, hardware, planner, tiers
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
+from model.config import REMAT_POLICIES
 from parallel.mesh import slow_tier_shape
 from training.state import plan
 
@@ -45,10 +46,12 @@ def test_the_top_layout_compiles_to_the_memory_and_bytes_it_predicted(ranked):
     compiled_bytes = sum(t[tier] for t in sent.values())
     assert top.time.bytes_by_tier[tier] == pytest.approx(compiled_bytes, rel=0.10, abs=4096), tier
   measured = analysis.memory_summary(compiled)
-  # The estimator's bands (tests/test_estimate.py): arguments and temporaries each within 15%.
+  # The estimator's bands: arguments and temporaries within 15% (tests/test_estimate.py), a pipeline's
+  # temporaries within 20% (0.81x to 1.27x on planning.md's 64-device rows).
+  temporaries_band = 0.20 if top.mesh["pipeline"] > 1 else 0.15
   assert top.memory["params"] + top.memory["opt_state"] + top.memory["batch"] == pytest.approx(
       measured["argument_bytes"], rel=0.15)
-  assert top.memory["grads"] + top.memory["activations"] == pytest.approx(measured["temp_bytes"], rel=0.15)
+  assert top.memory["grads"] + top.memory["activations"] == pytest.approx(measured["temp_bytes"], rel=temporaries_band)
 
 
 def test_the_ranking_is_by_predicted_step_and_each_command_runs_its_flags(ranked):
@@ -94,3 +97,7 @@ def test_an_unknown_kind_is_refused_in_one_line():
   assert result.returncode == 1
   assert result.stderr.strip().splitlines() == ["error: unknown device kind 'h1000'; give one of a100, h100, h200, "
                                                 "b200, tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e."]
+
+
+def test_the_planner_tries_every_remat_policy():
+  assert sorted(planner.REMAT_ORDER) == sorted(REMAT_POLICIES)

@@ -6,10 +6,11 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, assert_params_close, assert_tree_close, run_layout, tiny_config
 from measure import analysis, estimate, tiers
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
 from parallel.mesh import make_mesh, slow_tier_groups, slow_tier_shape
@@ -25,6 +26,15 @@ def test_a_slow_tier_part_of_an_axis_is_outermost():
   np.testing.assert_array_equal(ids, [[0, 1], [2, 3], [4, 5], [6, 7]])
   groups = slow_tier_groups(mesh, slow_tier_shape(config.mesh, dict(mesh.shape))).reshape(4, 2)
   np.testing.assert_array_equal(groups, [[0, 0], [0, 0], [1, 1], [1, 1]])
+
+
+def test_training_on_a_mesh_over_two_slices_equals_one_device():
+  layout = {"mesh.data": 4, "mesh.tensor": 2, "mesh.dcn_data": 2}
+  loss, grads, params = run_layout(layout, jax.devices())
+  one_loss, one_grads, one_params = run_layout({"mesh.data": 1}, jax.devices()[:1])
+  np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
+  assert_tree_close(grads, one_grads, "gradients")
+  assert_params_close(params, one_params, "parameters after the steps")
 
 
 def test_pipeline_stages_over_two_slices_keep_data_inside_each():

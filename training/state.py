@@ -53,6 +53,7 @@ class Layout:
   tx: optax.GradientTransformation
   state_shardings: dict
   used_shardings: dict  # each weight as the step uses it: the parameters' layout without ZeRO's split
+  moment_shardings: dict  # each weight's optimizer moments (ZeRO-1 and 3 split them over data, and so the gradient)
   batch_sharding: NamedSharding
   abstract_state: dict
   schedule: str  # the pipeline schedule; "none" on a mesh without pipeline stages
@@ -107,7 +108,7 @@ def plan(config, devices=None) -> Layout:
     abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
     state_shardings["loss_scale"] = {"scale": replicated, "good_steps": replicated}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
-                used_shardings=rules.shardings(logical, mesh, rules.weight_rules(0)),
+                used_shardings=rules.shardings(logical, mesh, rules.weight_rules(0)), moment_shardings=moment_shardings,
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
