@@ -67,6 +67,9 @@ def base() -> ml_collections.ConfigDict:
   c.model.max_len = 128  # learned positions; also the training sequence length
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
   c.model.remat = "none"  # none | full | full_offload | save_dots | save_attention | offload
+  # True: the stacked blocks run in one nnx.scan (compile time flat in depth). False: a Python loop over
+  # the layers, which on a GPU skips the scan's stacking of every layer's residuals (BENCHMARKS.md).
+  c.model.scan_layers = True
   # the attention kernel: xla (blockwise, any backend) | cudnn (GPU) | splash (TPU; interpreted elsewhere)
   # | auto (cudnn or splash where they apply, else xla)
   c.model.attention = "auto"

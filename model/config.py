@@ -38,6 +38,7 @@ class ModelConfig:
   max_len: int
   vocab_size: int
   remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
+  scan_layers: bool = True  # one scanned block (fast compiles) or the layers unrolled (model/transformer.py)
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device

@@ -83,8 +83,19 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
 
   if cfg.remat != "none":
     apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
-  return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0))(
-      x_BTD, blocks, positions_T, segments_BT)
+  if cfg.scan_layers:
+    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0))(
+        x_BTD, blocks, positions_T, segments_BT)
+  # Unrolled: each unit's parameters sliced off the stack. The scan's backward pass reads each layer's
+  # residuals from buffers stacked over the layers, written slice by slice; straight-line code keeps
+  # them as separate arrays, which XLA schedules and frees one by one.
+  graphdef, stack = nnx.split(blocks)
+  stats = []
+  for unit in range(cfg.num_units):
+    x_BTD, unit_stats = apply_block(x_BTD, nnx.merge(graphdef, jax.tree.map(lambda p: p[unit], stack)),
+                                    positions_T, segments_BT)
+    stats.append(unit_stats)
+  return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
 
 
 def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):

@@ -5,6 +5,8 @@
 # Stages (argument 1), each sized to end within the device tool's 600 s:
 #   equal       (default; the one that decides the bar) GPT-2 124M at batch 32 and 1.5B at batch 16, with
 #               torch.compile and plain JAX at the same sizes and batches, in the same run
+#   layers      as equal, ours twice: the layers scanned (model.scan_layers=true) and unrolled (false)
+#   numerics    tools/gpu_numerics.py: cuDNN attention and fp8 matmuls against float32, with their times
 #   best        124M from batch 64, doubling to 256 or until it no longer fits (32 is in `equal`)
 #   best_xl     1.5B from batch 32, doubling to 128 or until it no longer fits
 #   best_peers  both peers one doubling up (124M at 64, 1.5B at 32), beside ours there
@@ -14,8 +16,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-equal}
-case "$stage" in equal|best|best_xl|best_peers|flags|profile) ;;
-  *) echo "error: unknown stage '$stage'; use equal, best, best_xl, best_peers, flags or profile." >&2; exit 2 ;;
+case "$stage" in equal|layers|numerics|best|best_xl|best_peers|flags|profile) ;;
+  *) echo "error: unknown stage '$stage'; use equal, layers, numerics, best, best_xl, best_peers, flags or profile." >&2; exit 2 ;;
 esac
 out=${OUT:-/tmp/h200-check}
 mkdir -p "$out"
@@ -44,6 +46,9 @@ peers=(); [ -d .peers ] && peers=(--peers=.peers)
 bench=(timeout "${BUDGET_S:-540}" python3 tools/bench.py)
 case "$stage" in
   equal) "${bench[@]}" "$small" "$large" "${common[@]}" "${peers[@]}" ;;
+  layers) "${bench[@]}" "$small" "$small,model.scan_layers=false" "$large" "$large,model.scan_layers=false" \
+            "${common[@]}" "${peers[@]}" ;;
+  numerics) timeout "${BUDGET_S:-540}" python3 tools/gpu_numerics.py | tee "$out/numerics.md" ;;
   best) "${bench[@]}" --config=configs/gpt2.py:124m --batch=64 --max_batch=256 --best_batch --windows=2 "${common[@]}" ;;
   best_xl) "${bench[@]}" --config=configs/gpt2.py:1558m --batch=32 --max_batch=128 --best_batch --windows=2 "${common[@]}" ;;
   best_peers) "${bench[@]}" --config=configs/gpt2.py:124m,batch_size=64 --config=configs/gpt2.py:1558m,batch_size=32 \

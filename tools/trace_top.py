@@ -1,0 +1,170 @@
+"""Where a profiled step's device time goes: kernel time summed by the source line that emitted it.
+
+  python train.py ... --config.profile_steps=2,4 --config.workdir=W     # with XLA_FLAGS=--xla_dump_to=D
+  python tools/trace_top.py --trace=W/profile --hlo=D --steps=3
+
+A trace (`config.profile_steps`, measure/profiling.py) names each kernel's HLO
+instruction; the optimized HLO that XLA dumped (`--xla_dump_to`) names each
+instruction's stack of source lines. Joining the two gives time per function
+of meshlm (model/attention.py:attention is the attention kernel, the
+transformer's loss function the head and loss chunks), the first caller outside
+the generic helpers (model/layers.py's matmul) owning each kernel, without
+TensorBoard, on the machine that ran the trace. Without --hlo the table is by
+HLO instruction.
+"""
+
+import collections
+import glob
+import os
+import re
+import sys
+from pathlib import Path
+
+# `python tools/trace_top.py` puts tools/ on sys.path, not the repo root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+
+_TRACE = flags.DEFINE_string("trace", None, "A profile folder: its newest *.xplane.pb is read.", required=True)
+_HLO = flags.DEFINE_string("hlo", "", "An --xla_dump_to folder holding the step's *after_optimizations.txt.")
+_STEPS = flags.DEFINE_integer("steps", 1, "Steps the trace holds: times are per step.", lower_bound=1)
+_TOP = flags.DEFINE_integer("top", 20, "Rows of the by-line table.", lower_bound=1)
+_MODULE = flags.DEFINE_string("module", "train_step", "Only kernels of HLO modules whose name holds this.")
+
+# One HLO instruction and its stack frame: `%fusion.12 = ... metadata={op_name="..." stack_frame_id=133}`.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?stack_frame_id=(\d+)")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+# Frames in these files say nothing about which part of the model a kernel serves: the caller does.
+_GENERIC = ("model/layers.py", "model/placement.py", "model/fp8.py")
+# Control flow's events span their bodies' kernels on a CPU's timeline: counting both would count twice.
+_CONTROL = ("while", "conditional", "call")
+_LIBRARIES = {"nvjet": "cuBLAS GEMM", "cutlass": "cuBLAS GEMM", "xmma": "cuBLAS GEMM", "cudnn": "cuDNN",
+              "memcpy": "copy (memcpy)", "memset": "memset"}
+
+
+def _library(kernel: str) -> str:
+  """`cuBLAS GEMM` for a library kernel of a command buffer, empty for one of XLA's own fusions."""
+  return next((name for key, name in _LIBRARIES.items() if key in kernel.lower()), "")
+
+
+def newest(pattern: str) -> str:
+  found = sorted(glob.glob(pattern, recursive=True), key=os.path.getmtime)
+  if not found:
+    raise ValueError(f"nothing matches {pattern}; pass the folder that profile_steps or --xla_dump_to wrote.")
+  return found[-1]
+
+
+def kernel_times(trace_file: str, module: str) -> tuple[dict[str, float], dict[str, str], str]:
+  """(nanoseconds per HLO instruction, a kernel name for each, which timeline was read).
+
+  On a GPU the kernels sit on the device plane's stream lines; on a CPU the
+  thunks sit on the host plane's threads. Either way each event names its HLO
+  instruction in the `hlo_op` stat.
+  """
+  import jax.profiler  # pylint: disable=import-outside-toplevel
+  data = jax.profiler.ProfileData.from_file(trace_file)
+  planes = list(data.planes)
+  devices = [p for p in planes if p.name.startswith("/device:")]
+  times, kernels = collections.Counter(), {}
+  for plane in devices or [p for p in planes if p.name.startswith("/host:CPU")]:
+    lines = list(plane.lines)
+    streams = [line for line in lines if line.name.startswith("Stream")]
+    for line in streams or lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        op = stats.get("hlo_op")
+        if op and module in str(stats.get("hlo_module", module)) and not op.startswith(_CONTROL):
+          # Inside a command buffer (a CUDA graph) every kernel carries the buffer's name; XLA's own
+          # kernels are named after their fusion (loop_add_fusion_3 for loop_add_fusion.3), library
+          # kernels (cuBLAS, cuDNN, copies) after the library, which is then the best name there is.
+          if op.startswith("command_buffer"):
+            op = _library(event.name) or re.sub(r"_(\d+)$", r".\1", event.name)
+          times[op] += event.duration_ns
+          kernels.setdefault(op, event.name)
+  where = "device streams" if devices else "host threads"
+  return dict(times), kernels, where
+
+
+def hlo_sources(dump: str, module: str) -> dict[str, tuple[str, str]]:
+  """Each instruction of the dumped, optimized `module` to (its file, its `file:function:line` and caller).
+
+  The dump ends with tables of file names, function names, locations and
+  stack frames (each frame's parent_frame_id is one more than the parent's id,
+  0 for none). An instruction's frame is walked outwards to meshlm's own code:
+  the first frame outside the generic helpers names the owner.
+  """
+  text = Path(newest(os.path.join(dump, f"**/*{module}*after_optimizations.txt"))).read_text()
+  tables, current = {name: {} for name in _TABLES}, None
+  instructions = {}
+  for line in text.splitlines():
+    if line in _TABLES:
+      current = line
+    elif current and (row := re.match(r"^(\d+) (.*)$", line)):
+      tables[current][int(row.group(1))] = row.group(2)
+    elif match := _INSTRUCTION.match(line):
+      instructions[match.group(1)] = int(match.group(2))
+  field = lambda row, name: int(re.search(rf"{name}=(\d+)", row).group(1))
+
+  def location(frame: int) -> tuple[str, str]:
+    row = tables["FileLocations"][field(tables["StackFrames"][frame], "file_location_id")]
+    path = _repo_relative(tables["FileNames"][field(row, "file_name_id")].strip('"'))
+    function = tables["FunctionNames"][field(row, "function_name_id")].strip('"').split(".<locals>.")[-1]
+    return path, f"{path}:{function}:{field(row, 'line')}"
+
+  sources = {}
+  for op, frame in instructions.items():
+    chain = []
+    while frame in tables["StackFrames"]:
+      path, where = location(frame)
+      if "packages/" not in where:
+        chain.append((path, where))
+      frame = field(tables["StackFrames"][frame], "parent_frame_id") - 1
+    owner = next((c for c in chain if c[0] not in _GENERIC), chain[0] if chain else ("?", "?"))
+    sources[op] = owner
+  return sources
+
+
+def _repo_relative(path: str) -> str:
+  """model/attention.py for /anything/meshlm/model/attention.py; site-packages paths from the package on."""
+  parts = Path(path).parts
+  for anchor in ("site-packages", "dist-packages"):
+    if anchor in parts:
+      return "packages/" + "/".join(parts[parts.index(anchor) + 1:])
+  for room in ("model", "parallel", "training", "measure", "run", "resilience", "input_pipeline"):
+    if room in parts:
+      return "/".join(parts[parts.index(room):])
+  return "/".join(parts[-2:])
+
+
+def table(rows: list[tuple[str, float, str]], total: float, steps: int, header: str) -> str:
+  out = [f"| {header} | ms per step | share | a kernel |", "| --- | --- | --- | --- |"]
+  for name, ns, kernel in rows:
+    out.append(f"| {name} | {ns / steps / 1e6:.2f} | {ns / total:.1%} | {kernel[:60]} |")
+  return "\n".join(out)
+
+
+def main(argv):
+  del argv
+  trace = newest(os.path.join(_TRACE.value, "**/*.xplane.pb"))
+  times, kernels, where = kernel_times(trace, _MODULE.value)
+  if not times:
+    raise ValueError(f"{trace} holds no kernel of a module named like {_MODULE.value!r}.")
+  total = sum(times.values())
+  sources = hlo_sources(_HLO.value, _MODULE.value) if _HLO.value else {}
+  by_source, by_file, example = collections.Counter(), collections.Counter(), {}
+  for op, ns in times.items():
+    path, key = sources.get(op, ("(no source)", op))
+    by_source[key] += ns
+    by_file[path] += ns
+    if key not in example or times[op] > times[example[key]]:
+      example[key] = op
+  print(f"{trace}: {total / _STEPS.value / 1e6:.2f} ms of kernels per step over {len(times)} HLO instructions "
+        f"({where}, {_STEPS.value} steps)\n")
+  print(table([(f, ns, "") for f, ns in by_file.most_common()], total, _STEPS.value, "source file"))
+  print()
+  print(table([(k, ns, kernels[example[k]]) for k, ns in by_source.most_common(_TOP.value)], total,
+              _STEPS.value, "source (file:function:line)" if sources else "HLO instruction"))
+
+
+if __name__ == "__main__":
+  app.run(main)
