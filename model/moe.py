@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, param, zeros
+from model.layers import INIT_STD, gelu, matmul, param, silu, zeros
 from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
@@ -196,9 +196,9 @@ class MoE(nnx.Module):
       bias = lambda b_EF: b_EF[expert_BJ].astype(dtype)
     if self.gated:
       gate_EDF, up_EDF, down_EFD = weights
-      return dot(jax.nn.silu(dot(x, gate_EDF)) * dot(x, up_EDF), down_EFD)
+      return dot(silu(dot(x, gate_EDF)) * dot(x, up_EDF), down_EFD)
     up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h = jax.nn.gelu(dot(x, up_EDF) + bias(up_bias_EF), approximate=True)
+    h = gelu(dot(x, up_EDF) + bias(up_bias_EF))
     return dot(h, down_EFD) + bias(down_bias_ED)
 
 

@@ -11,7 +11,8 @@
 #   best_xl     1.5B from batch 32, doubling to 128 or until it no longer fits
 #   best_peers  both peers one doubling up (124M at 64, 1.5B at 32), beside ours there
 #   flags       124M at batch 32 under each XLA flag preset (tools/bench_runs.py)
-#   profile     a jax.profiler trace of 124M steps 2..4 into $OUT/profile-124m (TensorBoard or Perfetto)
+#   profile     a jax.profiler trace of 124M steps 2..4 into $OUT/profile-124m (TensorBoard or Perfetto), and
+#               $OUT/trace_top.md: its kernel time by meshlm source line (tools/trace_top.py)
 # Records go to $OUT/bench.jsonl (the device tool brings $OUT back), and the table is redrawn from them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,11 @@ case "$stage" in
   best_peers) "${bench[@]}" --config=configs/gpt2.py:124m,batch_size=64 --config=configs/gpt2.py:1558m,batch_size=32 \
                 --windows=2 "${common[@]}" "${peers[@]}" ;;
   flags) "${bench[@]}" "$small" --xla_presets=default,lhs,cublas,combined --windows=2 "${common[@]}" ;;
-  profile) "${bench[@]}" "$small" --windows=1 --config.profile_steps=2,4 --config.workdir="$out/profile-124m" "${common[@]}" ;;
+  # XLA's dump of the optimized step names each kernel's source lines: tools/trace_top.py joins it to the trace.
+  profile) XLA_FLAGS="--xla_dump_to=$out/hlo --xla_dump_hlo_module_re=.*train_step.*" "${bench[@]}" "$small" \
+             --windows=1 --config.profile_steps=2,4 --config.workdir="$out/profile-124m" "${common[@]}" &&
+           python3 tools/trace_top.py --trace="$out/profile-124m/profile" --hlo="$out/hlo" --steps=3 \
+             | tee "$out/trace_top.md" ;;
 esac > "$out/$stage.log" 2> "$out/$stage.err"
 echo "exit status $? (log: $out/$stage.log, $out/$stage.err)"
 tail -n 5 "$out/$stage.err"

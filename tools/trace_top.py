@@ -136,10 +136,13 @@ def _repo_relative(path: str) -> str:
   return "/".join(parts[-2:])
 
 
-def table(rows: list[tuple[str, float, str]], total: float, steps: int, header: str) -> str:
-  out = [f"| {header} | ms per step | share | a kernel |", "| --- | --- | --- | --- |"]
-  for name, ns, kernel in rows:
-    out.append(f"| {name} | {ns / steps / 1e6:.2f} | {ns / total:.1%} | {kernel[:60]} |")
+def table(rows: list[tuple], total: float, steps: int, header: str) -> str:
+  """Rows of (name, nanoseconds[, the largest kernel's name]) as a markdown table."""
+  kernels = len(rows[0]) > 2
+  out = [f"| {header} | ms per step | share |{' its largest kernel |' if kernels else ''}",
+         f"| --- | --- | --- |{' --- |' if kernels else ''}"]
+  for name, ns, *kernel in rows:
+    out.append(f"| {name} | {ns / steps / 1e6:.2f} | {ns / total:.1%} |{''.join(f' {k[:60]} |' for k in kernel)}")
   return "\n".join(out)
 
 
@@ -153,14 +156,14 @@ def main(argv):
   sources = hlo_sources(_HLO.value, _MODULE.value) if _HLO.value else {}
   by_source, by_file, example = collections.Counter(), collections.Counter(), {}
   for op, ns in times.items():
-    path, key = sources.get(op, ("(no source)", op))
+    path, key = sources.get(op, (op if op in _LIBRARIES.values() else "(no source line)", op))
     by_source[key] += ns
     by_file[path] += ns
     if key not in example or times[op] > times[example[key]]:
       example[key] = op
   print(f"{trace}: {total / _STEPS.value / 1e6:.2f} ms of kernels per step over {len(times)} HLO instructions "
         f"({where}, {_STEPS.value} steps)\n")
-  print(table([(f, ns, "") for f, ns in by_file.most_common()], total, _STEPS.value, "source file"))
+  print(table(by_file.most_common(), total, _STEPS.value, "source file or library"))
   print()
   print(table([(k, ns, kernels[example[k]]) for k, ns in by_source.most_common(_TOP.value)], total,
               _STEPS.value, "source (file:function:line)" if sources else "HLO instruction"))
