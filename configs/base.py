@@ -68,8 +68,11 @@ def base() -> ml_collections.ConfigDict:
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
   c.model.remat = "none"  # none | full | full_offload | save_dots | save_attention | offload
   # True: the stacked blocks run in one nnx.scan (compile time flat in depth). False: a Python loop over
-  # the layers, which on a GPU skips the scan's stacking of every layer's residuals (BENCHMARKS.md).
+  # the layers (compile time grows with depth), as MaxText's scan_layers=False.
   c.model.scan_layers = True
+  # True: GELU / SiLU keep only their inputs for the backward pass and recompute the rest there
+  # (model/layers.py activation): three fewer [B, T, mlp] values per GPT-2 layer under remat=none.
+  c.model.recompute_activation = False
   # the attention kernel: xla (blockwise, any backend) | cudnn (GPU) | splash (TPU; interpreted elsewhere)
   # | auto (cudnn or splash where they apply, else xla)
   c.model.attention = "auto"

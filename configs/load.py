@@ -33,6 +33,9 @@ def set_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collection
     node = config
     for name in parents:
       node = node[name]
+    if leaf not in node:  # a misspelt field would otherwise be a new one nothing reads
+      raise KeyError(f"{path} is not a config field; the fields of {'.'.join(parents) or 'the config'} are "
+                     f"{', '.join(sorted(node.keys()))}.")
     node[leaf] = value
   return config
 

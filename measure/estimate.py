@@ -200,9 +200,14 @@ PROBE_POSITIONS = 8  # blockwise attention runs the probe as two blocks, a chunk
 GROWTH = {"positions": 2, "sequences": 3, "layers": 5, "heads": 7, "mlp": 11}
 
 
-def _layer(config, d: Dims, remat: str, chunked: bool = True) -> Layer:
+def _layer(config, d: Dims, remat: str, chunked: bool = True, recomputed: bool = False) -> Layer:
   """The run's layer under a remat policy: one dense block of the model (MoE's dispatch is not modelled)
   on the attention path (one block, or blockwise) and the MLP chunking (unless not `chunked`) the run takes.
+
+  `recomputed`: as its backward pass holds it when the whole layer is recomputed. Then the activation's
+  intermediates are there whether or not model.recompute_activation keeps them out of the saved values:
+  they are made again, inside the same backward pass (the 1B Llama's compiled step at 80 GB,
+  `tools/longest_context.py --compile`, reads the same peak with and without).
 
   Traced on a probe sequence with no placement, plain local math: the Residuals scale to
   the run's micro-batch, positions and tensor shards, so one trace serves every length and layout.
@@ -211,7 +216,7 @@ def _layer(config, d: Dims, remat: str, chunked: bool = True) -> Layer:
       model_config(config), num_layers=1, num_experts=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
       attention_block=PROBE_POSITIONS // 2 if d.blockwise else 2 * PROBE_POSITIONS,
       mlp_chunk=PROBE_POSITIONS // 2 if chunked and d.mlp_chunks > 1 else 0, loss_chunk=PROBE_POSITIONS,
-      document_end=-1, gathered_lookup=False))
+      document_end=-1, gathered_lookup=False, **({"recompute_activation": False} if recomputed else {})))
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,7 +294,8 @@ def _recomputed_layer_bytes(config, d: Dims) -> int:
   recomputed forward's float32 output beside the backward's float32 query
   gradient (the 1B Llama's compiled step, `tools/longest_context.py --compile`).
   """
-  whole, chunked = _layer(config, d, "none", chunked=False), _layer(config, d, "none")
+  whole = _layer(config, d, "none", chunked=False, recomputed=True)
+  chunked = _layer(config, d, "none", recomputed=True)
   per_chunk = (whole.saved_bytes(d, per_sequence=True) - chunked.saved_bytes(d, per_sequence=True)) // d.mlp_chunks
   casts = whole.saved_bytes(d, per_sequence=False) - chunked.saved_bytes(d, per_sequence=False)
   float32_output = d.tokens * d.heads * d.head_dim * (F32_BYTES - d.compute_bytes) if d.blockwise else 0
@@ -299,7 +305,7 @@ def _recomputed_layer_bytes(config, d: Dims) -> int:
 def _mlp_gradient_bytes(config, d: Dims) -> int:
   """The MLP's hidden gradients its backward pass makes, one chunk's: one for each hidden activation a
   matmul reads or writes (GELU's input and output; SwiGLU's gate, up projection and their product)."""
-  hidden = _layer(config, d, "none", chunked=False).matmul_activations
+  hidden = _layer(config, d, "none", chunked=False, recomputed=True).matmul_activations
   return sum(r.on_device(d) for r in hidden if r.per_sequence and r.mlp) // d.mlp_chunks
 
 

@@ -39,6 +39,7 @@ class ModelConfig:
   vocab_size: int
   remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
   scan_layers: bool = True  # one scanned block (fast compiles) or the layers unrolled (model/transformer.py)
+  recompute_activation: bool = False  # GELU / SiLU recomputed from their inputs in the backward pass
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device

@@ -10,12 +10,20 @@ from model.fp8 import einsum as fp8_einsum
 
 INIT_STD = 0.02  # GPT-2's normal init
 
-# The feed-forward activations, recomputed from their inputs in the backward pass. Differentiated as
-# written, tanh-GELU keeps three [B, T, mlp] intermediates for the backward pass besides its input and
-# output, and SiLU its sigmoid (seen in the H200 step's HLO, BENCHMARKS.md); recomputing them is a few
-# elementwise passes over the input, which the backward pass reads anyway.
-gelu = jax.checkpoint(functools.partial(jax.nn.gelu, approximate=True))
-silu = jax.checkpoint(jax.nn.silu)
+ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu}
+
+
+def activation(name: str, x: jax.Array, recompute: bool) -> jax.Array:
+  """A feed-forward activation; with `recompute` (model.recompute_activation), recomputed from its input
+  in the backward pass.
+
+  Differentiated as written, tanh-GELU keeps three [B, T, mlp] intermediates
+  for the backward pass besides its input and output, and SiLU its sigmoid
+  (seen in the H200 step's HLO, BENCHMARKS.md). Recomputed, they exist only
+  during the layer's backward pass.
+  """
+  fn = ACTIVATIONS[name]
+  return jax.checkpoint(fn)(x) if recompute else fn(x)
 
 
 def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:

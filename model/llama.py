@@ -6,7 +6,7 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, ones, param, silu, vocab_param
+from model.layers import INIT_STD, activation, matmul, ones, param, vocab_param
 from model.moe import MoE
 from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
@@ -72,7 +72,8 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD):
     cfg, dtype = self.cfg, self.cfg.dtype
-    gate_BTF = silu(matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8))
+    gate_BTF = activation("silu", matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8),
+                          cfg.recompute_activation)
     h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
                       ("batch", "length", "mlp"))
     return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)

@@ -4,7 +4,7 @@ import jax
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, gelu, matmul, param, zeros
+from model.layers import INIT_STD, activation, matmul, param, zeros
 from model.placement import constrain
 
 
@@ -22,5 +22,5 @@ class Mlp(nnx.Module):
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dtype = self.cfg.dtype
     h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, self.cfg.fp8) + self.up_bias[...].astype(dtype)
-    h_BTF = constrain(gelu(h_BTF), ("batch", "length", "mlp"))
+    h_BTF = constrain(activation("gelu", h_BTF, self.cfg.recompute_activation), ("batch", "length", "mlp"))
     return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, self.cfg.fp8) + self.down_bias[...].astype(dtype)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, gelu, matmul, param, silu, zeros
+from model.layers import INIT_STD, activation, matmul, param, zeros
 from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
@@ -186,7 +186,7 @@ class MoE(nnx.Module):
   def experts(self, x, *weights, groups: Routing | None = None):
     """Each expert's feed-forward layer: on its slots x_EBCD (the expert axis may be a local shard), or
     with `groups`, on rows x_BJD sorted by expert."""
-    dtype, fp8 = self.cfg.dtype, self.cfg.fp8
+    dtype, fp8, recompute = self.cfg.dtype, self.cfg.fp8, self.cfg.recompute_activation
     if groups is None:
       dot = lambda x_EBCD, w_EDF: matmul("ebcd,edf->ebcf", x_EBCD, w_EDF, dtype, fp8)
       bias = lambda b_EF: b_EF[:, None, None].astype(dtype)
@@ -196,9 +196,9 @@ class MoE(nnx.Module):
       bias = lambda b_EF: b_EF[expert_BJ].astype(dtype)
     if self.gated:
       gate_EDF, up_EDF, down_EFD = weights
-      return dot(silu(dot(x, gate_EDF)) * dot(x, up_EDF), down_EFD)
+      return dot(activation("silu", dot(x, gate_EDF), recompute) * dot(x, up_EDF), down_EFD)
     up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h = gelu(dot(x, up_EDF) + bias(up_bias_EF))
+    h = activation("gelu", dot(x, up_EDF) + bias(up_bias_EF), recompute)
     return dot(h, down_EFD) + bias(down_bias_ED)
 
 

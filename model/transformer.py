@@ -86,9 +86,9 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
   if cfg.scan_layers:
     return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0))(
         x_BTD, blocks, positions_T, segments_BT)
-  # Unrolled: each unit's parameters sliced off the stack. The scan's backward pass reads each layer's
-  # residuals from buffers stacked over the layers, written slice by slice; straight-line code keeps
-  # them as separate arrays, which XLA schedules and frees one by one.
+  # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
+  # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
+  # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
   graphdef, stack = nnx.split(blocks)
   stats = []
   for unit in range(cfg.num_units):

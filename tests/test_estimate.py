@@ -44,6 +44,7 @@ LAYOUTS = {
     "data=4 x pipeline=2, 1f1b": {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.schedule": "1f1b"},
     "data=2 x sequence=4": {"mesh.data": 2, "mesh.sequence": 4},
     "moe data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4},
+    "data=8, activations recomputed": {"mesh.data": 8, "model.recompute_activation": True},
 }
 
 
@@ -177,20 +178,25 @@ def test_saved_per_layer_is_what_each_remat_policy_saves(overrides, block_input,
     assert estimate.saved_per_layer(config, dict(plan(config).mesh.shape)) == {"device": device, "host": host}, remat
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_widening_the_mlp_grows_what_a_layer_saves_as_jax_lists_the_mlp_residuals(family):
+@pytest.mark.parametrize("family, recompute, listed", [
+    ("gpt2", False, 5), ("llama", False, 6), ("gpt2", True, 2), ("llama", True, 4)])
+def test_widening_the_mlp_grows_what_a_layer_saves_as_jax_lists_the_mlp_residuals(family, recompute, listed):
   # Without remat a layer saves every hidden value of its MLP that autodiff keeps: 256 more hidden units
-  # save that many more per value jax lists for the family's MLP alone (GELU five, SwiGLU six), per token
-  # (64 on a device at data=8), in float32; under tensor=2 half the units, on twice the tokens.
-  cfg = model_config(tiny_config(**{"model.family": family}))
+  # save that many more per value jax lists for the family's MLP alone, per token (64 on a device at
+  # data=8), in float32; under tensor=2 half the units, on twice the tokens. GELU keeps five, its input
+  # and output among them; recomputed from its input (model.recompute_activation) just those two. SwiGLU
+  # keeps six; recomputed, four: its gate, SiLU of it, the up projection and their product.
+  fields = {"model.family": family, "model.recompute_activation": recompute}
+  cfg = model_config(tiny_config(**fields))
   with nnx.use_eager_sharding(False):
     graphdef, params = nnx.split({"gpt2": Mlp, "llama": SwiGLU}[family](cfg, nnx.Rngs(0)))
-  listed = io.StringIO()
-  with contextlib.redirect_stdout(listed):  # differentiated by its weights too, as training does
+  residuals = io.StringIO()
+  with contextlib.redirect_stdout(residuals):  # differentiated by its weights too, as training does
     print_saved_residuals(lambda params, x: nnx.merge(graphdef, params)(x), params, jnp.zeros((2, 32, cfg.embed_dim)))
-  hidden = listed.getvalue().count(f"[2,32,{cfg.mlp_dim}]")
+  hidden = residuals.getvalue().count(f"[2,32,{cfg.mlp_dim}]")
+  assert hidden == listed, residuals.getvalue()
   for mesh, tokens, units in (({"mesh.data": 8}, 64, 256), ({"mesh.data": 4, "mesh.tensor": 2}, 128, 128)):
-    narrow, wide = (tiny_config(**mesh, **{"model.family": family, "model.mlp_dim": width}) for width in (256, 512))
+    narrow, wide = (tiny_config(**mesh, **fields, **{"model.mlp_dim": width}) for width in (256, 512))
     saved = [estimate.saved_per_layer(c, dict(plan(c).mesh.shape))["device"] for c in (narrow, wide)]
     assert saved[1] - saved[0] == hidden * units * tokens * 4, (family, mesh, hidden)
 

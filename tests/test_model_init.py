@@ -1,4 +1,5 @@
-"""Initialisation: the vocabulary's padding starts (and so stays) zero, in every family."""
+"""Initialisation: the vocabulary's padding starts (and so stays) zero, in every family; and every field of
+config.model reaches the model's description."""
 
 import importlib
 
@@ -6,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from training.state import init_state, plan
+from configs.gpt2 import get_config
+from training.state import init_state, model_config, plan
 
 
 @pytest.mark.parametrize("family,tables", [("gpt2", [("embed", "tokens", 0)]),
@@ -24,3 +26,13 @@ def test_vocab_padding_is_zero_and_the_real_rows_are_not(family, tables):
     assert table.shape[0] == 256
     assert not table[250:].any(), path
     assert (np.abs(table[:250]).max(axis=1) > 0).all(), path
+
+
+def test_every_field_of_config_model_reaches_the_model():
+  # A field set in config.model and dropped on the way to ModelConfig would train the default silently.
+  config = get_config("tiny")
+  flipped = {key: not value for key, value in config.model.items() if isinstance(value, bool)}
+  assert flipped, "config.model has no switch to flip"
+  config.model.update(flipped)
+  cfg = model_config(config)
+  assert {key: getattr(cfg, key) for key in config.model} == config.model.to_dict()

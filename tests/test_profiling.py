@@ -1,8 +1,12 @@
 """`profile_steps`: a trace of the chosen steps lands in <workdir>/profile; bad windows are refused."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from helpers import tiny_config
+from helpers import ROOT, tiny_config
 from measure.profiling import parse_steps
 from run.loop import train
 
@@ -30,3 +34,20 @@ def test_bad_windows_are_refused(text, says):
 
 def test_empty_means_no_trace():
   assert parse_steps("", last_step=10) is None and parse_steps("2,4", last_step=10) == (2, 4)
+
+
+def test_trace_top_puts_the_kernel_time_on_the_model_lines(tmp_path):
+  """A traced CPU run with XLA's dump: tools/trace_top.py attributes most kernel time to model/ files."""
+  env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={tmp_path / 'hlo'} --xla_dump_hlo_module_re=.*train_step.*",
+         "JAX_PLATFORMS": "cpu"}
+  train_run = [sys.executable, "train.py", "--config.steps=3", "--config.profile_steps=2,3", "--config.log_every=3",
+               "--config.eval_every=0", "--config.sample_tokens=0", "--config.checkpoint.every=0",
+               f"--config.workdir={tmp_path}"]
+  subprocess.run(train_run, cwd=ROOT, env=env, check=True, capture_output=True, timeout=240)
+  table = subprocess.run([sys.executable, "tools/trace_top.py", f"--trace={tmp_path / 'profile'}",
+                          f"--hlo={tmp_path / 'hlo'}", "--steps=2"], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+  shares = {row[0]: float(row[2].rstrip("%")) for row in
+            ([cell.strip() for cell in line.strip("|").split("|")] for line in table.split("\n\n")[1].splitlines()[2:])}
+  assert sum(share for name, share in shares.items() if name.startswith("model/")) > 80, table
+  assert "model/attention.py" in shares and "model/mlp.py" in shares, table

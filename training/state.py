@@ -27,17 +27,12 @@ MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama}
 
 
 def model_config(config) -> ModelConfig:
-  """The frozen model description the model sees: `config.model` plus the compute dtype."""
-  m = config.model
-  return ModelConfig(family=m.family, num_layers=m.num_layers, num_heads=m.num_heads, embed_dim=m.embed_dim,
-                     mlp_dim=m.mlp_dim, max_len=m.max_len, vocab_size=m.vocab_size, remat=m.remat,
-                     attention=m.attention, attention_block=m.attention_block,
-                     loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, document_end=m.document_end, compute_dtype=config.precision.compute,
-                     kv_heads=m.kv_heads, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                     num_experts=config.moe.experts,
-                     moe_every=config.moe.every, moe_top_k=config.moe.top_k,
-                     moe_capacity_factor=config.moe.capacity_factor, moe_dropless=config.moe.dropless,
-                     moe_balance_weight=config.moe.balance_weight, moe_z_weight=config.moe.z_weight)
+  """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
+  experts' settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
+  moe = config.moe
+  return ModelConfig(**config.model.to_dict(), compute_dtype=config.precision.compute, num_experts=moe.experts,
+                     moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
+                     moe_dropless=moe.dropless, moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
