@@ -10,7 +10,7 @@ from helpers import LLAMA, assert_tree_close, loss_and_gradients, qkv, tiny_conf
 from model.attention import attention_block, blockwise_attention
 from model.transformer import document_ids, document_positions, token_losses
 from run.loop import train
-from training.state import build_model, model_config, plan
+from training.state import build_model, model_config
 
 END = 10  # the byte tokenizer's end of text ("\n"), which ends each line of the built-in corpus
 
