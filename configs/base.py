@@ -82,6 +82,13 @@ def base() -> ml_collections.ConfigDict:
   c.model.document_end = -1  # token that ends a packed document, attention stops there; data.segments sets it
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
   c.model.rope_theta = 10000.0  # llama: rotary base
+  # llama: rotary frequencies rescaled for a longer context, as Llama 3.1's checkpoints set them
+  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3
+  c.model.rope_type = "default"
+  c.model.rope_factor = 1.0
+  c.model.rope_low_freq_factor = 1.0
+  c.model.rope_high_freq_factor = 4.0
+  c.model.rope_original_max_len = 0
   c.model.norm_eps = 0.0  # LayerNorm / RMSNorm epsilon; 0: the family's own (gpt2 1e-5, llama 1e-6)
 
   c.moe = ml_collections.ConfigDict()

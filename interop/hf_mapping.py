@@ -124,8 +124,16 @@ _LLAMA_REFUSED = (
     ("hidden_act", "silu", "SwiGLU with silu"),
     ("attention_bias", False, "no attention biases"),
     ("mlp_bias", False, "no MLP biases"),
-    ("rope_scaling", None, "unscaled rotary positions"),
 )
+# transformers' rotary types (rope_type) meshlm computes (model/llama.py rotary_frequencies), and the
+# fields of each it reads into config.model: {transformers' name: meshlm's}.
+ROPE_FIELDS = {
+    "default": {},
+    "linear": {"factor": "rope_factor"},
+    "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_len"},
+}
 
 
 def _refuse(hf: dict, where: str, refused) -> None:
@@ -148,12 +156,14 @@ def _llama_fields(hf: dict, where: str) -> dict:
   if hf.get("head_dim") not in (None, width // heads):
     raise ValueError(f"{where} sets head_dim={hf['head_dim']}, but meshlm's heads are "
                      f"hidden_size / num_attention_heads = {width // heads} wide.")
-  # transformers 5 keeps rotary settings in rope_parameters; earlier versions at the top level.
-  rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-  if rope.get("rope_type", "default") != "default":
-    raise ValueError(f"{where} sets rope_type={rope['rope_type']!r}, but meshlm computes "
-                     "unscaled rotary positions (rope_type 'default').")
-  return dict(family="llama", num_layers=hf["num_hidden_layers"], num_heads=heads,
+  # transformers 5 keeps rotary settings in rope_parameters; earlier versions in rope_scaling and rope_theta.
+  rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ROPE_FIELDS:
+    raise ValueError(f"{where} sets rope_type={rope_type!r}, but meshlm computes rotary positions "
+                     f"{', '.join(ROPE_FIELDS)} only.")
+  scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs]) for theirs, ours in ROPE_FIELDS[rope_type].items()}
+  return dict(**scaling, rope_type=rope_type, family="llama", num_layers=hf["num_hidden_layers"], num_heads=heads,
               kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
               mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
               norm_eps=hf.get("rms_norm_eps", FAMILIES["llama"].norm_eps), rope_theta=float(rope["rope_theta"]))
@@ -175,13 +185,15 @@ def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
 
 
 def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  rope = {"rope_type": cfg.rope_type,
+          **{theirs: getattr(cfg, ours) for theirs, ours in ROPE_FIELDS[cfg.rope_type].items()}}
   return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
               hidden_act="silu", attention_dropout=0.0, attention_bias=False, mlp_bias=False,
-              rope_theta=cfg.rope_theta,  # where transformers 4 reads it; 5 reads:
-              rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+              rope_theta=cfg.rope_theta, rope_scaling=None if cfg.rope_type == "default" else rope,  # transformers 4
+              rope_parameters={"rope_theta": cfg.rope_theta, **rope},  # transformers 5
               tie_word_embeddings=tied, dtype=dtype)
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
+ROPE_TYPES = ("default", "linear", "llama3")  # model/llama.py rotary_frequencies
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 
@@ -50,6 +51,12 @@ class ModelConfig:
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   rope_theta: float = 10000.0
+  # llama: rotary frequencies rescaled for a longer context (model/llama.py rotary_frequencies):
+  rope_type: str = "default"  # default | linear | llama3
+  rope_factor: float = 1.0  # linear, llama3: how many times longer the context than in pre-training
+  rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept
+  rope_original_max_len: int = 0  # llama3: the pre-training context
   norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (FamilyTraits.norm_eps)
   num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
   moe_every: int = 1
@@ -133,6 +140,7 @@ class ModelConfig:
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
       raise ValueError(f"model.rope_theta={self.rope_theta} must be a finite number > 0 (the rotary base; "
                        "10000 is usual).")
+    self._check_rope()
     if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
       raise ValueError(f"model.norm_eps={self.norm_eps} must be a finite number >= 0 (0: the family's own, "
                        + ", ".join(f"{traits.norm_eps:g} for {family}" for family, traits in FAMILIES.items()) + ").")
@@ -145,6 +153,23 @@ class ModelConfig:
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
+
+  def _check_rope(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"model.rope_type={self.rope_type!r} is unknown; use one of {', '.join(ROPE_TYPES)}.")
+    if self.rope_type == "default":
+      return
+    if self.family != "llama":
+      raise ValueError(f"model.rope_type={self.rope_type!r} rescales rotary positions, which the {self.family} "
+                       "family does not use; leave it 'default'.")
+    if not (math.isfinite(self.rope_factor) and self.rope_factor > 0):
+      raise ValueError(f"model.rope_factor={self.rope_factor} must be a finite number > 0 (8 in Llama 3.1).")
+    if self.rope_type == "llama3" and not (
+        self.rope_original_max_len > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+      raise ValueError(
+          f"model.rope_type='llama3' needs rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
+          f"rope_high_freq_factor; they are {self.rope_original_max_len}, {self.rope_low_freq_factor} and "
+          f"{self.rope_high_freq_factor} (Llama 3.1: 8192, 1 and 4).")
 
   def _check_moe(self):
     if self.num_experts < 0:

@@ -1,5 +1,7 @@
 """A Llama-style family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,10 +27,30 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x_BTD.dtype)
 
 
-def rotary(x_BTNH, positions_T, theta: float):
+def rotary_frequencies(half: int, cfg: ModelConfig) -> jax.Array:
+  """Each rotated pair's angular frequency, theta^(-i / half), rescaled as model.rope_type says.
+
+  `linear` divides every frequency by rope_factor (position interpolation).
+  `llama3` (Llama 3.1's, as transformers computes it) divides only the low
+  frequencies, whose wavelength is longer than rope_original_max_len /
+  rope_low_freq_factor; keeps the high ones, shorter than rope_original_max_len /
+  rope_high_freq_factor; and blends the two linearly in 1 / wavelength between.
+  """
+  frequencies_F = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_type == "linear":
+    return frequencies_F / cfg.rope_factor
+  if cfg.rope_type == "llama3":
+    wavelengths_F = 2 * math.pi / frequencies_F
+    kept_F = jnp.clip((cfg.rope_original_max_len / wavelengths_F - cfg.rope_low_freq_factor)
+                      / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor), 0.0, 1.0)
+    return (1 - kept_F) * frequencies_F / cfg.rope_factor + kept_F * frequencies_F
+  return frequencies_F
+
+
+def rotary(x_BTNH, positions_T, cfg: ModelConfig):
   """Rotate each (first half, second half) pair of x by its token's global position (RoFormer)."""
   half = x_BTNH.shape[-1] // 2
-  frequencies_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  frequencies_F = rotary_frequencies(half, cfg)
   angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
   cos_TF, sin_TF = jnp.cos(angles_TF)[:, None, :], jnp.sin(angles_TF)[:, None, :]
   x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
@@ -50,8 +72,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
     cfg, dtype = self.cfg, self.cfg.dtype
-    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
-    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg.rope_theta)
+    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg)
+    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg)
     v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8)
     q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))

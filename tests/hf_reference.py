@@ -9,7 +9,8 @@ transformers take seconds to import, so the tests batch their questions):
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
       transformers' own causal-LM loss with `targets` as the shifted labels
-  {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights,
+  {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
+                                                         and rotary settings),
                                                          and D2's dropout rates
 """
 
@@ -64,6 +65,7 @@ def compare(job):
   result = {"missing": sorted(a.keys() - b.keys()), "unexpected": sorted(b.keys() - a.keys()),
             "differ": differ, "tensors": len(a),
             "tied": [m.config.tie_word_embeddings for m in (first, second)],
+            "rope": [getattr(m.config, "rope_parameters", None) for m in (first, second)],
             # every dropout rate the second (the export) would train with in transformers
             "dropout": {k: v for k, v in second.config.to_dict().items()
                         if ("pdrop" in k or "dropout" in k) and isinstance(v, float)}}

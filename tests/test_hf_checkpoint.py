@@ -35,15 +35,22 @@ from training.state import plan, state_from_params
 
 
 VOCAB = 300  # padded to 384 inside meshlm
+LLAMA_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, tie_word_embeddings=False)
 # name: (family, transformers config, save_pretrained arguments)
 MODELS = {
     "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128), {}),
-    "llama": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                            rope_theta=500.0, tie_word_embeddings=False), {}),
+    "llama": ("llama", dict(LLAMA_SHAPE, rms_norm_eps=1e-5, rope_theta=500.0), {}),
     "llama_tied": ("llama", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
                    {"max_shard_size": "100KB"}),  # several files and model.safetensors.index.json
+    # Llama 3.1's rotary scaling and position interpolation, with a pre-training context of 8 positions
+    # so that the 16 tokens reach past it and llama3's three bands of frequencies all occur.
+    "llama3": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=64, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}), {}),
+    "llama_linear": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+                     {}),
 }
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
@@ -91,8 +98,10 @@ def logits(layout, params, tokens):
   return np.asarray(forward(params, jax.device_put(tokens, layout.batch_sharding)))
 
 
-# The tied Llama differs from the untied one only in where its head is read from: one device is enough.
-LOGIT_CASES = [(name, mesh) for name in MODELS for mesh in MESHES if name != "llama_tied" or not MESHES[mesh]]
+# The tied Llama differs from the untied one only in where its head is read from, the linear scaling from
+# llama3's in a division: one device is enough for them.
+LOGIT_CASES = [(name, mesh) for name in MODELS for mesh in MESHES
+               if name not in ("llama_tied", "llama_linear") or not MESHES[mesh]]
 
 
 @pytest.mark.parametrize("name, mesh", LOGIT_CASES)
@@ -177,7 +186,7 @@ def test_export_round_trips_bit_identically(reference, tmp_path):
   for name in MODELS:
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["tensors"] > 10 and not (result["missing"] or result["unexpected"] or result["differ"]), result
-    assert result["tied"][0] == result["tied"][1], result
+    assert result["tied"][0] == result["tied"][1] and result["rope"][0] == result["rope"][1], result
     # meshlm trains without dropout, so the export must not let transformers fill in GPT-2's 0.1
     assert result["dropout"] and not any(result["dropout"].values()), result
 
@@ -222,9 +231,9 @@ def test_refuses_a_missing_weight(reference, tmp_path):
 
 def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   directory = copy_with(reference / "llama", tmp_path / "scaled",
-                        config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0}})
+                        config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
-          "sets rope_type='llama3', but meshlm computes unscaled rotary positions")
+          "sets rope_type='yarn', but meshlm computes rotary positions default, linear, llama3 only")
   refused(tiny_config(init_from=str(directory), workdir=str(tmp_path / "run")), "use hf:<directory>")
 
 

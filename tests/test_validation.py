@@ -42,6 +42,15 @@ BAD = [
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
     ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
+    ({"model.family": "llama", "model.rope_type": "yarn"}, r"model.rope_type='yarn' is unknown; use one of default, "
+     r"linear, llama3\."),
+    ({"model.rope_type": "linear"}, r"model.rope_type='linear' rescales rotary positions, which the gpt2 family "
+     r"does not use"),
+    ({"model.family": "llama", "model.rope_type": "linear", "model.rope_factor": 0.0},
+     r"model.rope_factor=0.0 must be a finite number > 0"),
+    ({"model.family": "llama", "model.rope_type": "llama3", "model.rope_factor": 8.0},
+     r"model.rope_type='llama3' needs rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
+     r"rope_high_freq_factor; they are 0, 1.0 and 4.0"),
     ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
      r"1e-05 for gpt2, 1e-06 for llama\)"),
     ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
@@ -67,6 +76,12 @@ def test_bad_setting_is_refused_in_one_line_and_nothing_is_written(tmp_path, ove
     train(config)
   assert "\n" not in str(refused.value)
   assert not workdir.exists()
+
+
+def test_an_override_of_a_field_that_does_not_exist_is_refused():
+  # A misspelt field would otherwise be a new one nothing reads, and the run would train the default.
+  with pytest.raises(KeyError, match=r"model.scan_layer is not a config field; the fields of model are .*scan_layers"):
+    tiny_config(**{"model.scan_layer": False})
 
 
 def test_a_workdir_that_is_a_file_or_cannot_hold_files_is_refused(tmp_path):

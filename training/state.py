@@ -29,8 +29,9 @@ MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama}
 def model_config(config) -> ModelConfig:
   """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
   experts' settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
-  moe = config.moe
-  return ModelConfig(**config.model.to_dict(), compute_dtype=config.precision.compute, num_experts=moe.experts,
+  model, moe = config.model, config.moe  # by attribute: the planner passes namespaces (measure/planner.py)
+  fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(model, f.name)}
+  return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
                      moe_dropless=moe.dropless, moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight)
 
