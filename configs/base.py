@@ -59,7 +59,7 @@ def base() -> ml_collections.ConfigDict:
   c.peer_copy_every = 0
 
   c.model = ml_collections.ConfigDict()
-  c.model.family = "gpt2"  # gpt2 | llama
+  c.model.family = "gpt2"  # gpt2 | llama | qwen2 | qwen3
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.embed_dim = 128
@@ -81,6 +81,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.mlp_chunk = 0  # tokens per device in one chunk of the MLP, recomputed in backward (long contexts); 0: off
   c.model.document_end = -1  # token that ends a packed document, attention stops there; data.segments sets it
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
+  c.model.head_width = 0  # each attention head's width; 0 = embed_dim // num_heads (Qwen3 sets 128)
   c.model.rope_theta = 10000.0  # llama: rotary base
   # llama: rotary frequencies rescaled for a longer context, as Llama 3.1's checkpoints set them
   # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3

@@ -4,8 +4,10 @@ Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
 - Layout. GPT-2's Conv1D stores (in, out), meshlm's layout, so its weights only
   reshape; Llama's nn.Linear stores (out, in), so they also transpose.
 - QKV. GPT-2 fuses Q, K and V in `c_attn` as [q | k | v] along the output,
-  exactly meshlm's (embed, 3, heads, head_dim); Llama keeps q/k/v_proj apart,
-  as meshlm's Llama does. Nothing is split or fused in either direction.
+  exactly meshlm's (embed, 3, heads, head_dim); Llama and Qwen keep q/k/v_proj
+  apart, as meshlm's do. Nothing is split or fused in either direction.
+- Qwen. Qwen2 and Qwen3 are Llama's tensors plus Qwen2's q/k/v_proj biases
+  (heads x head_dim, flat in HF) or Qwen3's q_norm/k_norm gains (head_dim).
 - Rotary. Hugging Face's Llama rotates (first half, second half) pairs of each
   head (`rotate_half`) with frequencies theta^(-i/half), which is what
   model/llama.py's `rotary` does, so q/k need no permutation. (The permutation
@@ -20,6 +22,7 @@ Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -90,7 +93,18 @@ def llama_tensors(cfg: ModelConfig, tied: bool) -> dict:
       ("norm_final", "scale"): _same("model.norm.weight", d),
       ("head",): Tensor("model.embed_tokens.weight" if tied else "lm_head.weight", ((v,), (d,)), (1, 0),
                         padded_axis=1),
+      **_qwen_attention_tensors(cfg, layer + "self_attn."),
   }
+
+
+def _qwen_attention_tensors(cfg: ModelConfig, attn: str) -> dict:
+  """Qwen2's query/key/value biases (its o_proj has none) and Qwen3's per-head query/key norms (model/qwen.py)."""
+  k, h = cfg.num_kv_heads, cfg.head_dim
+  heads = {"q": cfg.num_heads, "k": k, "v": k}
+  return {**({("blocks", "attn", f"{x}_bias"): Tensor(f"{attn}{x}_proj.bias", ((heads[x], h),), (0, 1))
+              for x in heads} if cfg.traits.qkv_bias else {}),
+          **({("blocks", "attn", f"{x}_norm", "scale"): _same(f"{attn}{x}_norm.weight", h)
+              for x in "qk"} if cfg.traits.qk_norm else {})}
 
 
 def tensors(cfg: ModelConfig, tied: bool) -> dict:
@@ -104,7 +118,7 @@ def model_fields(hf: dict, where: str) -> tuple[dict, bool]:
   mapping = next((m for m in MAPPINGS.values() if m.architecture in architectures), None)
   if mapping is None:
     raise ValueError(f"{where} declares architectures {architectures}; meshlm imports "
-                     f"{' and '.join(m.architecture for m in MAPPINGS.values())} checkpoints.")
+                     f"{', '.join(m.architecture for m in MAPPINGS.values())} checkpoints.")
   _refuse(hf, where, mapping.refused)
   try:
     return mapping.fields(hf, where), mapping.tied(hf)
@@ -120,11 +134,15 @@ _GPT2_REFUSED = (
     ("add_cross_attention", False, "no cross-attention"),
     ("tie_word_embeddings", True, "a head tied to the token embedding"),
 )
+# The rotary families' refusals are also what their export writes (_llama_config).
 _LLAMA_REFUSED = (
     ("hidden_act", "silu", "SwiGLU with silu"),
     ("attention_bias", False, "no attention biases"),
     ("mlp_bias", False, "no MLP biases"),
 )
+_NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
+_QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
+_QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
 # transformers' rotary types (rope_type) meshlm computes (model/llama.py rotary_frequencies), and the
 # fields of each it reads into config.model: {transformers' name: meshlm's}.
 ROPE_FIELDS = {
@@ -151,11 +169,10 @@ def _gpt2_fields(hf: dict, where: str) -> dict:
               vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", FAMILIES["gpt2"].norm_eps))
 
 
-def _llama_fields(hf: dict, where: str) -> dict:
+def _llama_fields(hf: dict, where: str, family: str = "llama") -> dict:
+  """config.model for the rotary families (llama, qwen2, qwen3): their config.json fields are the same."""
   width, heads = hf["hidden_size"], hf["num_attention_heads"]
-  if hf.get("head_dim") not in (None, width // heads):
-    raise ValueError(f"{where} sets head_dim={hf['head_dim']}, but meshlm's heads are "
-                     f"hidden_size / num_attention_heads = {width // heads} wide.")
+  head_width = hf.get("head_dim") or width // heads
   # transformers 5 keeps rotary settings in rope_parameters; earlier versions in rope_scaling and rope_theta.
   rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -163,7 +180,8 @@ def _llama_fields(hf: dict, where: str) -> dict:
     raise ValueError(f"{where} sets rope_type={rope_type!r}, but meshlm computes rotary positions "
                      f"{', '.join(ROPE_FIELDS)} only.")
   scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs]) for theirs, ours in ROPE_FIELDS[rope_type].items()}
-  return dict(**scaling, rope_type=rope_type, family="llama", num_layers=hf["num_hidden_layers"], num_heads=heads,
+  return dict(**scaling, rope_type=rope_type, family=family, num_layers=hf["num_hidden_layers"], num_heads=heads,
+              head_width=0 if head_width * heads == width else head_width,
               kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
               mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
               norm_eps=hf.get("rms_norm_eps", FAMILIES["llama"].norm_eps), rope_theta=float(rope["rope_theta"]))
@@ -176,6 +194,9 @@ def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
 
 def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   del tied  # always tied
+  if cfg.head_dim * cfg.num_heads != cfg.embed_dim:
+    raise ValueError(f"model.head_width={cfg.head_width} x {cfg.num_heads} heads is not the width "
+                     f"{cfg.embed_dim}, which transformers' GPT-2 requires; export a model with head_width 0.")
   return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
                 n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
                 vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
@@ -185,13 +206,14 @@ def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
 
 
 def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  mapping = MAPPINGS[cfg.family]
   rope = {"rope_type": cfg.rope_type,
           **{theirs: getattr(cfg, ours) for theirs, ours in ROPE_FIELDS[cfg.rope_type].items()}}
-  return dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=cfg.num_layers,
+  return dict(architectures=[mapping.architecture], model_type=cfg.family, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
-              hidden_act="silu", attention_dropout=0.0, attention_bias=False, mlp_bias=False,
+              attention_dropout=0.0, **{field: default for field, default, _ in mapping.refused},
               rope_theta=cfg.rope_theta, rope_scaling=None if cfg.rope_type == "default" else rope,  # transformers 4
               rope_parameters={"rope_theta": cfg.rope_theta, **rope},  # transformers 5
               tie_word_embeddings=tied, dtype=dtype)
@@ -212,6 +234,9 @@ class FamilyMapping:
 MAPPINGS = {
     "gpt2": FamilyMapping("GPT2LMHeadModel", _GPT2_REFUSED, _gpt2_fields, lambda hf: True, gpt2_tensors,
                           _gpt2_config),
-    "llama": FamilyMapping("LlamaForCausalLM", _LLAMA_REFUSED, _llama_fields,
-                           lambda hf: bool(hf.get("tie_word_embeddings", False)), llama_tensors, _llama_config),
+    **{family: FamilyMapping(architecture, refused, functools.partial(_llama_fields, family=family),
+                             lambda hf: bool(hf.get("tie_word_embeddings", False)), llama_tensors, _llama_config)
+       for family, architecture, refused in (("llama", "LlamaForCausalLM", _LLAMA_REFUSED),
+                                             ("qwen2", "Qwen2ForCausalLM", _QWEN2_REFUSED),
+                                             ("qwen3", "Qwen3ForCausalLM", _QWEN3_REFUSED))},
 }

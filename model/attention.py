@@ -30,7 +30,7 @@ def kernel(cfg: ModelConfig, backend: str) -> str:
   """
   if cfg.attention != "auto":
     return cfg.attention
-  head = cfg.embed_dim // cfg.num_heads
+  head = cfg.head_dim
   if backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD:
     return "cudnn"
   if backend == "tpu" and cfg.max_len % SPLASH_BLOCK == 0:

@@ -21,17 +21,23 @@ class FamilyTraits:
   gated_mlp: bool  # SwiGLU's three matrices; otherwise a GELU MLP's two
   biases: bool  # the linear layers carry biases
   tied_head: bool  # the logits reuse the token table (vocab, embed); otherwise an (embed, vocab) head
+  rotary: bool  # positions enter by rotating queries and keys (model.rope_*); otherwise a learned table
+  qkv_bias: bool = False  # only the query, key and value projections carry biases (Qwen2)
+  qk_norm: bool = False  # each query and key head is RMS-normalised before rotary (Qwen3)
 
 
-FAMILIES = {
-    "gpt2": FamilyTraits(norm_eps=1e-5, gated_mlp=False, biases=True, tied_head=True),
-    "llama": FamilyTraits(norm_eps=1e-6, gated_mlp=True, biases=False, tied_head=False),
+_LLAMA = FamilyTraits(norm_eps=1e-6, gated_mlp=True, biases=False, tied_head=False, rotary=True)
+FAMILIES = {  # model/gpt2.py, model/llama.py and model/qwen.py build them (training/state.py MODEL_FAMILIES)
+    "gpt2": FamilyTraits(norm_eps=1e-5, gated_mlp=False, biases=True, tied_head=True, rotary=False),
+    "llama": _LLAMA,
+    "qwen2": dataclasses.replace(_LLAMA, qkv_bias=True),
+    "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  family: str  # gpt2 | llama
+  family: str  # gpt2 | llama | qwen2 | qwen3
   num_layers: int
   num_heads: int
   embed_dim: int
@@ -50,6 +56,7 @@ class ModelConfig:
   document_end: int = -1  # the token ending each packed document (attention stops there); -1: no packing
   compute_dtype: str = "float32"
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
+  head_width: int = 0  # each attention head's width; 0 means embed_dim // num_heads (Qwen3 sets its own)
   rope_theta: float = 10000.0
   # llama: rotary frequencies rescaled for a longer context (model/llama.py rotary_frequencies):
   rope_type: str = "default"  # default | linear | llama3
@@ -81,7 +88,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.embed_dim // self.num_heads
+    return self.head_width or self.embed_dim // self.num_heads
 
   @property
   def num_kv_heads(self) -> int:
@@ -118,10 +125,13 @@ class ModelConfig:
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"model.family={self.family!r} is unknown; use one of {', '.join(FAMILIES)}.")
-    if self.embed_dim % self.num_heads:
+    if self.head_width < 0:
+      raise ValueError(f"model.head_width={self.head_width} must be at least 0 (0: model.embed_dim // "
+                       "model.num_heads).")
+    if not self.head_width and self.embed_dim % self.num_heads:
       raise ValueError(
           f"model.embed_dim={self.embed_dim} is not divisible by model.num_heads={self.num_heads}; "
-          "choose heads that divide the width.")
+          "choose heads that divide the width, or set model.head_width.")
     if self.kv_heads < 0:
       raise ValueError(f"model.kv_heads={self.kv_heads} must be at least 0 (0: as many as model.num_heads).")
     if self.num_heads % self.num_kv_heads:
@@ -159,7 +169,7 @@ class ModelConfig:
       raise ValueError(f"model.rope_type={self.rope_type!r} is unknown; use one of {', '.join(ROPE_TYPES)}.")
     if self.rope_type == "default":
       return
-    if self.family != "llama":
+    if not self.traits.rotary:
       raise ValueError(f"model.rope_type={self.rope_type!r} rescales rotary positions, which the {self.family} "
                        "family does not use; leave it 'default'.")
     if not (math.isfinite(self.rope_factor) and self.rope_factor > 0):

@@ -15,10 +15,10 @@ from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, fe
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square normalisation, in float32."""
+  """Root-mean-square normalisation over the last axis (`axis`, its logical name), in float32."""
 
-  def __init__(self, dim: int, eps: float = 1e-6):
-    self.scale = ones((dim,), ("embed",))
+  def __init__(self, dim: int, eps: float = 1e-6, axis: str = "embed"):
+    self.scale = ones((dim,), (axis,))
     self.eps = eps
 
   def __call__(self, x_BTD):
@@ -70,16 +70,21 @@ class Attention(nnx.Module):
                             std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
     self.cfg = cfg
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
+  def project(self, x_BTD):
+    """Queries, keys and values before rotary positions: a family that adds biases or norms extends this."""
     cfg, dtype = self.cfg, self.cfg.dtype
-    q_BTNH = rotary(matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8), positions_T, cfg)
-    k_BTKH = rotary(matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8), positions_T, cfg)
-    v_BTKH = matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8)
-    q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
-    k_BTKH = constrain(k_BTKH, ("batch", "length", "kv_heads", "head_dim"))
+    return (matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8),
+            matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8),
+            matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8))
+
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
+    cfg = self.cfg
+    q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
+    q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg), ("batch", "length", "heads", "head_dim"))
+    k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg), ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT, cache)
-    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, cfg.fp8)
+    return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], cfg.dtype, cfg.fp8)
 
 
 class SwiGLU(nnx.Module):
@@ -104,9 +109,11 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-RMSNorm block; decoding hands it the layer's key/value cache (model/kv_cache.py)."""
 
+  attention_class = Attention  # a family that changes only the attention (model/qwen.py) swaps this
+
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.attn = Attention(cfg, rngs)
+    self.attn = self.attention_class(cfg, rngs)
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
 
@@ -119,10 +126,12 @@ class Block(nnx.Module):
 class Llama(LanguageModel):
   """Llama-style decoder (Touvron et al. 2023) in Flax NNX; positions enter only through rotary."""
 
+  block_class = Block
+
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = vocab_param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), cfg.vocab_size)
-    self.blocks = stacked(Block, cfg, rngs)
+    self.blocks = stacked(self.block_class, cfg, rngs)
     self.norm_final = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.head = vocab_param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), cfg.vocab_size)
 

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
-from helpers import ROOT, read_metrics, run_reference, tiny_config
+from helpers import ROOT, assert_tree_close, batch_at, gradients, read_metrics, run_reference, tiny_config
 from input_pipeline import data
 from interop import hf_checkpoint
 from model.placement import placed
@@ -51,7 +51,11 @@ MODELS = {
         "original_max_position_embeddings": 8}), {}),
     "llama_linear": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
                      {}),
+    # Qwen2.5's small models tie their head; Qwen3's heads are wider than hidden_size / heads (24, not 16).
+    "qwen2": ("qwen2", dict(LLAMA_SHAPE, rope_theta=1e6, tie_word_embeddings=True), {}),
+    "qwen3": ("qwen3", dict(LLAMA_SHAPE, rope_theta=1e6, head_dim=24), {}),
 }
+FAMILIES = ("qwen2", "qwen3")  # beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 
@@ -114,6 +118,18 @@ def test_logits_match_transformers(reference, name, mesh):
   assert ours.shape[-1] == 384 and np.all(ours[..., VOCAB:] == np.finfo(np.float32).min)  # padding masked
   error = np.abs(ours[..., :VOCAB] - expected).max() / np.abs(expected).max()
   assert error < 1e-5, f"{name} on {mesh}: logits differ from transformers by {error:.2e} relative"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_imported_family_trains_alike_on_a_mesh(reference, name):
+  """The imported weights' loss and gradients on data=2 x tensor=2 equal one device's (float32)."""
+  runs = []
+  for devices, mesh in ((jax.devices()[:1], {}), (jax.devices()[:4], {"mesh.data": 2, "mesh.tensor": 2})):
+    config, layout, params = imported(reference / name, devices, **mesh)
+    runs.append(gradients(layout, params, batch_at(config, layout, 0)))
+  (loss, grads), (mesh_loss, mesh_grads) = runs
+  assert abs(mesh_loss - loss) < 1e-6 * loss, (mesh_loss, loss)
+  assert_tree_close(mesh_grads, grads, f"{name} on data=2 x tensor=2")
 
 
 def hub_cache(directory: Path, cache: Path) -> Path:
@@ -211,7 +227,8 @@ def copy_with(source: Path, target: Path, *, config=None, tensors=None) -> Path:
 def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   directory = copy_with(reference / "gpt2", tmp_path / "bert", config={"architectures": ["BertForMaskedLM"]})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
-          r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel and LlamaForCausalLM")
+          r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
+          "Qwen2ForCausalLM, Qwen3ForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
@@ -235,6 +252,9 @@ def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           "sets rope_type='yarn', but meshlm computes rotary positions default, linear, llama3 only")
   refused(tiny_config(init_from=str(directory), workdir=str(tmp_path / "run")), "use hf:<directory>")
+  windowed = copy_with(reference / "qwen2", tmp_path / "windowed", config={"use_sliding_window": True})
+  refused(tiny_config(init_from=f"hf:{windowed}", workdir=str(tmp_path / "run")),
+          "sets use_sliding_window=True, but meshlm computes attention over the whole causal context")
 
 
 def test_export_refuses_without_writing(tmp_path):
