@@ -164,7 +164,6 @@ def references():
 
 EXPERT_LAYOUTS = {
     "expert=2 x data=4": ("gpt2", {"mesh.expert": 2, "mesh.data": 4}),
-    "expert=4 x data=2": ("gpt2", {"mesh.expert": 4, "mesh.data": 2}),
     "expert=8": ("gpt2", {"mesh.expert": 8, "mesh.data": 1}),
     "expert=2 x tensor=2 x fsdp data=2": ("gpt2", {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2,
                                                    "sharding.zero": 3}),
