@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from input_pipeline.corpus import builtin_corpus
-from input_pipeline.token_files import PREPARE_COMMAND, open_tokens, read_meta
+from input_pipeline.token_files import PREPARE_COMMAND, open_mask, open_tokens, read_meta
 
 SOURCES = ("builtin", "tokens", "synthetic")
 SPLITS = {"train": 1, "val": 2}  # mixed into every batch seed, so train and val never share one
@@ -24,6 +24,7 @@ class TokenSplit:
   vocab_size: int
   tokenizer: str
   origin: str  # a folder, or 'synthetic': named in error messages
+  mask: np.ndarray | None = None  # fine-tuning on completions: 1 where a token is scored (token_files.py)
 
 
 def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
@@ -49,7 +50,7 @@ def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
                      f"more than model.vocab_size={vocab_size}; set "
                      f"--config.model.vocab_size={meta['vocab_size']}.")
   return TokenSplit(split, open_tokens(folder, split), meta["vocab_size"], meta["tokenizer"],
-                    str(folder))
+                    str(folder), open_mask(folder, split))
 
 
 def check_long_enough(split: TokenSplit, seq_len: int) -> None:
@@ -77,31 +78,49 @@ def batch_rows(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_
       windows_RW[i] = _rng(split, seed, step, row).integers(0, split.vocab_size, window)
     return windows_RW
   check_long_enough(split, seq_len)
+  return _windows(split, split.tokens, seed, step, batch_size, window, row_ids, windows_RW)
+
+
+def mask_rows(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_len: int,
+              rows: slice = slice(None)) -> np.ndarray:
+  """batch_rows' windows of the split's loss mask (uint8, 1 where a token is scored), for the same tokens."""
+  row_ids = range(batch_size)[rows]
+  window = seq_len + 1
+  return _windows(split, split.mask, seed, step, batch_size, window, row_ids, np.empty((len(row_ids), window), np.uint8))
+
+
+def _windows(split: TokenSplit, values, seed, step, batch_size, window, row_ids, out_RW) -> np.ndarray:
   # Drawing all B starts is cheap and keeps each row's start independent of `rows`.
   starts_B = _rng(split, seed, step).integers(0, len(split.tokens) - window + 1, size=batch_size)
   for i, row in enumerate(row_ids):
-    windows_RW[i] = split.tokens[starts_B[row]:starts_B[row] + window]
-  return windows_RW
+    out_RW[i] = values[starts_B[row]:starts_B[row] + window]
+  return out_RW
 
 
 def global_batch(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_len: int,
                  sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-  """Batch `step` as {'inputs', 'targets'}: int32 [B, T] jax.Arrays laid out by `sharding`."""
+  """Batch `step` as {'inputs', 'targets'}: int32 [B, T] jax.Arrays laid out by `sharding`; with a loss mask
+  (fine-tuning on completions) also 'weights', float32 [B, T]: 1 where the target is scored, else 0."""
   windows_by_rows = {}  # devices holding the same rows (e.g. over `tensor`) share one read
 
-  def windows(index) -> np.ndarray:
-    key = index[0].indices(batch_size)
+  def windows(index, read=batch_rows) -> np.ndarray:
+    key = (index[0].indices(batch_size), read)
     if key not in windows_by_rows:
-      windows_by_rows[key] = batch_rows(split, seed=seed, step=step, batch_size=batch_size,
-                                        seq_len=seq_len, rows=index[0])
+      windows_by_rows[key] = read(split, seed=seed, step=step, batch_size=batch_size, seq_len=seq_len,
+                                  rows=index[0])
     return windows_by_rows[key]
 
   shape = (batch_size, seq_len)
-  return dict(
+  batch = dict(
       inputs=jax.make_array_from_callback(
           shape, sharding, lambda index: windows(index)[:, :-1][:, index[1]], dtype=np.int32),
       targets=jax.make_array_from_callback(
           shape, sharding, lambda index: windows(index)[:, 1:][:, index[1]], dtype=np.int32))
+  if split.mask is None:
+    return batch
+  return {**batch, "weights": jax.make_array_from_callback(
+      shape, sharding, lambda index: windows(index, mask_rows)[:, 1:][:, index[1]].astype(np.float32),
+      dtype=np.float32)}
 
 
 class Prefetcher:

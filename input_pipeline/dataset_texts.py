@@ -21,6 +21,12 @@ LOCATE_BATCH = 1000  # records per table while looking for the one that is not U
 
 def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterator[str]:
   """The `text_field` of every record of `dataset`, in order; refuses a missing field before yielding."""
+  return (texts[0] for texts in dataset_records(dataset, {"--text_field": text_field}, split))
+
+
+def dataset_records(dataset: str, fields: dict[str, str], split: str = "train") -> Iterator[tuple[str, ...]]:
+  """Each record's texts of `fields` ({the flag that names it: a field}), in order, as a tuple; refuses a
+  missing dataset, or one without records, before returning."""
   try:
     import datasets  # optional dependency (pyproject's `data` extra)
   except ImportError as error:
@@ -35,7 +41,7 @@ def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterat
                                                       split="train", streaming=True)) for file in files]
   else:
     sources = [(dataset, None, functools.partial(datasets.load_dataset, dataset, split=split, streaming=True))]
-  texts = _texts(sources, text_field)
+  texts = _texts(sources, fields)
   try:
     first = next(texts, None)
   except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
@@ -47,8 +53,9 @@ def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterat
   return itertools.chain([first], texts)
 
 
-def _texts(sources, text_field: str) -> Iterator[str]:
-  """The texts of every (name, builder, load) in `sources`, in order; empty files are skipped."""
+def _texts(sources, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
+  """The texts of `fields` in every record of every (name, builder, load) in `sources`, in order; empty files
+  are skipped."""
   import pyarrow as pa  # a dependency of `datasets`
   import pyarrow.parquet as pq
   for name, builder, load in sources:
@@ -58,14 +65,7 @@ def _texts(sources, text_field: str) -> Iterator[str]:
                       or builder == "parquet" and pq.read_metadata(name).num_rows == 0):
         continue
       for number, record in enumerate(load()):
-        if text_field not in record:
-          raise ValueError(f"record {number} of {name} has no field {text_field!r}; its fields are "
-                           f"{', '.join(sorted(record))}: pass one as --text_field.")
-        text = record[text_field]
-        if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
-          raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {text_field!r}, not "
-                           "text; pass the field that holds each document's text as --text_field.")
-        yield text or ""
+        yield tuple(_text(record, number, name, flag, field) for flag, field in fields.items())
     except UnicodeDecodeError as error:
       number = _first_not_utf8(load, builder)
       raise ValueError(f"{name if number is None else f'record {number} of {name}'} is not UTF-8 (byte "
@@ -74,6 +74,17 @@ def _texts(sources, text_field: str) -> Iterator[str]:
     except pa.ArrowInvalid as error:
       raise ValueError(f"{name} cannot be read as {builder or 'a dataset'} "
                        f"({str(error).splitlines()[0]}); give files in the format their names say.") from None
+
+
+def _text(record: dict, number: int, name: str, flag: str, field: str) -> str:
+  if field not in record:
+    raise ValueError(f"record {number} of {name} has no field {field!r}; its fields are "
+                     f"{', '.join(sorted(record))}: pass one as {flag}.")
+  text = record[field]
+  if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
+    raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {field!r}, not "
+                     f"text; pass the field that holds each document's text as {flag}.")
+  return text or ""
 
 
 def _first_not_utf8(load, builder: str | None) -> int | None:

@@ -2,6 +2,10 @@
 
 A folder holds train.bin and val.bin (flat little-endian token ids, uint16 when
 the vocabulary fits, else uint32) and meta.json naming the tokenizer and counts.
+Data for fine-tuning on completions also holds train.mask and val.mask, one
+uint8 per token: 1 where the token is scored as a prediction (the completion
+and its end-of-text), 0 where it is only context (the prompt); meta.json then
+says "loss_mask": true.
 The loader adds ids_checked.json, where it can: which versions of the .bin files
 it found within the vocabulary, so that each version is scanned once.
 """
@@ -17,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 FOLDER_FILES = ("train.bin", "val.bin", "meta.json")  # in the order they are replaced
+MASK_FILES = ("train.mask", "val.mask")  # fine-tuning on completions: replaced before meta.json
 META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
 PREPARE_COMMAND = "python tools/prepare.py --input TEXT_DIR --output {}"
 IDS_CHECKED = "ids_checked.json"
@@ -36,8 +41,11 @@ def check_ids(ids: np.ndarray, vocab_size: int, *, where: str, first: int = 0) -
 
 
 def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
-                       val_fraction: float, extra_meta: dict | None = None) -> dict:
-  """Streams token chunks into train.bin / val.bin / meta.json; returns the meta."""
+                       val_fraction: float, extra_meta: dict | None = None, masked: bool = False) -> dict:
+  """Streams token chunks into train.bin / val.bin / meta.json; returns the meta.
+
+  `masked`: each chunk is a pair (ids, which of them are scored), and the masks go to train.mask / val.mask.
+  """
   folder = Path(folder)
   created = not folder.exists()  # a folder made here goes again if the write fails
   folder.mkdir(parents=True, exist_ok=True)
@@ -45,27 +53,36 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
   # Unique temp names: concurrent writers (processes on one host, or hosts sharing a
   # file system) never share a half-written file; os.replace makes each appear whole.
   run_id = uuid.uuid4().hex
-  temps = {name: folder / f"{name}.tmp-{run_id}" for name in FOLDER_FILES}
+  names = (*FOLDER_FILES[:2], *(MASK_FILES if masked else ()), FOLDER_FILES[2])
+  temps = {name: folder / f"{name}.tmp-{run_id}" for name in names}
   try:
     total = 0
-    with open(temps["train.bin"], "wb") as out:
+    with open(temps["train.bin"], "wb") as out, (open(temps["train.mask"], "wb") if masked
+                                                   else contextlib.nullcontext()) as mask_out:
       for chunk in token_chunks:
-        chunk = np.asarray(chunk)
+        chunk, mask = (np.asarray(part) for part in chunk) if masked else (np.asarray(chunk), None)
         check_ids(chunk, vocab_size, where=f"the tokenizer's output at token {{}} of {folder}", first=total)
         total += len(chunk)  # before the write, so that a full disk's message counts this chunk
         out.write(chunk.astype(dtype).tobytes())
+        if masked:
+          mask_out.write(mask.astype(np.uint8).tobytes())
     val_tokens = int(round(total * val_fraction))
     train_tokens = total - val_tokens
-    # Copy the tail to val.bin, then cut it off: the train tokens are written only once.
-    with open(temps["train.bin"], "rb") as everything, open(temps["val.bin"], "wb") as val:
-      everything.seek(train_tokens * dtype.itemsize)
-      shutil.copyfileobj(everything, val)
-    os.truncate(temps["train.bin"], train_tokens * dtype.itemsize)
+    for kind, itemsize in (("bin", dtype.itemsize), *((("mask", 1),) if masked else ())):
+      # Copy the tail to val, then cut it off: the train tokens are written only once.
+      with open(temps[f"train.{kind}"], "rb") as everything, open(temps[f"val.{kind}"], "wb") as val:
+        everything.seek(train_tokens * itemsize)
+        shutil.copyfileobj(everything, val)
+      os.truncate(temps[f"train.{kind}"], train_tokens * itemsize)
     meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=dtype.name,
-                train_tokens=train_tokens, val_tokens=val_tokens, **(extra_meta or {}))
+                train_tokens=train_tokens, val_tokens=val_tokens, **({"loss_mask": True} if masked else {}),
+                **(extra_meta or {}))
     temps["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
-    for name, temp in temps.items():  # meta.json last: it vouches for the .bin files
+    for name, temp in temps.items():  # meta.json last: it vouches for the other files
       os.replace(temp, folder / name)
+    if not masked:  # masks of data prepared here before belong to no tokens now
+      for name in MASK_FILES:
+        (folder / name).unlink(missing_ok=True)
     return meta
   except BaseException as error:
     for temp in temps.values():
@@ -116,6 +133,20 @@ def open_tokens(folder, split: str) -> np.ndarray:
   tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
   check_file_ids(path, tokens, meta["vocab_size"])
   return tokens
+
+
+def open_mask(folder, split: str) -> np.ndarray | None:
+  """The split's loss mask (one uint8 per token, 1 where scored) as a read-only memmap, or None where the
+  folder's meta.json holds no loss_mask (every token is scored)."""
+  folder = Path(folder)
+  meta = read_meta(folder)
+  if not meta.get("loss_mask"):
+    return None
+  path, count = folder / f"{split}.mask", meta[f"{split}_tokens"]
+  if not path.is_file() or path.stat().st_size != count:
+    raise ValueError(f"{path} is missing or does not hold the {count} flags its meta.json promises; "
+                     f"recreate the folder with `{PREPARE_COMMAND.format(folder)} --overwrite`.")
+  return np.memmap(path, dtype=np.uint8, mode="r", shape=(count,)) if count else np.zeros(0, np.uint8)
 
 
 def check_file_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:

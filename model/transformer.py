@@ -198,8 +198,12 @@ def feed_forward(layer, norm, x_BTD, positions_T):
   return constrain(unchunk(y_CBtD), ACTIVATION_AXES), {}
 
 
-def chunked_cross_entropy(model, x_BTD, targets_BT):
+def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   """Mean next-token cross-entropy, the head and loss run on one chunk of positions at a time.
+
+  With `weights_BT`, each position's loss is weighted first (fine-tuning on completions scores the
+  answer's tokens only): the mean of weight x loss, so weights that average 1 over the batch
+  (training/step.py `normalized_weights`) give the mean over the weighted tokens.
 
   Float32 logits exist for one chunk at a time (B x T/C x V, not B x T x V),
   chunks by strided_chunks. Each chunk's gradient is taken in the forward pass
@@ -211,16 +215,18 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
   graphdef, stack, head = nnx.split(model, nnx.PathContains(STACKED), ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
 
-  def loss_sum(head, stack, x_BtD, targets_Bt):
-    return token_losses(nnx.merge(graphdef, stack, head).logits(x_BtD), targets_Bt).sum()
+  def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
+    losses_Bt = token_losses(nnx.merge(graphdef, stack, head).logits(x_BtD), targets_Bt)
+    return (losses_Bt * weights_Bt[0] if weights_Bt else losses_Bt).sum()
 
-  # The stack and targets are arguments, not closed over: a custom VJP may not close over traced values.
+  # The stack, targets and weights are arguments, not closed over: a custom VJP may not close over traced
+  # values. `scored` is (targets,) or (targets, weights): what each position's loss is, and its weight.
   @jax.custom_vjp
-  def mean_loss(head, x_BTD, stack, targets_BT):
-    losses = jax.lax.map(lambda chunk: loss_sum(head, stack, *chunk), (to_chunks(x_BTD), to_chunks(targets_BT)))
+  def mean_loss(head, x_BTD, stack, scored):
+    losses = jax.lax.map(lambda chunk: loss_sum(head, stack, *chunk), (to_chunks(x_BTD), *map(to_chunks, scored)))
     return losses.sum() / (b * t)
 
-  def forward(head, x_BTD, stack, targets_BT):
+  def forward(head, x_BTD, stack, scored):
     # Each device keeps its own running sum of the head's gradient, summed over the devices once at
     # the end: a replicated running sum would be all-reduced over the batch's and the sequence's
     # devices chunk by chunk. So each chunk runs as [batch shards, length shards, rows, positions]
@@ -230,8 +236,8 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
                                                      ("length", shard_count("length"), t // chunks))
              if chunks > 1 and shards > 1 and size % shards == 0}
     rows, positions = split.get("batch", 1), split.get("length", 1)
-    per_shard = jax.vmap(jax.vmap(jax.value_and_grad(loss_sum, argnums=(0, 2)), in_axes=(None, None, 0, 0)),
-                         in_axes=(None, None, 0, 0))
+    in_axes = (None, None, 0) + (0,) * len(scored)
+    per_shard = jax.vmap(jax.vmap(jax.value_and_grad(loss_sum, argnums=(0, 2)), in_axes=in_axes), in_axes=in_axes)
 
     def by_shard(x_BtX, axes):
       x_BtX = constrain(x_BtX, ("batch", "length", *axes))  # as the shards lie, so the split is local
@@ -240,19 +246,20 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
       return constrain(jnp.swapaxes(x_RbPtX, 1, 2), (*leading, None, None, *axes))
 
     def chunk_grads(chunk):
-      x_BtD, targets_Bt = chunk
+      x_BtD, *scored_Bt = chunk
       if not split:
-        loss, (d_head, d_x_BtD) = jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, x_BtD, targets_Bt)
+        loss, (d_head, d_x_BtD) = jax.value_and_grad(loss_sum, argnums=(0, 2))(head, stack, x_BtD, *scored_Bt)
         return loss[None, None], (jax.tree.map(lambda d: d[None, None], d_head), d_x_BtD)
       with placed(current().placing_outside(*split)):
-        loss_RP, (d_head, d_x_RPbtD) = per_shard(head, stack, by_shard(x_BtD, ("embed",)), by_shard(targets_Bt, ()))
+        loss_RP, (d_head, d_x_RPbtD) = per_shard(head, stack, by_shard(x_BtD, ("embed",)),
+                                                 *(by_shard(s_Bt, ()) for s_Bt in scored_Bt))
       return loss_RP, (d_head, jnp.swapaxes(d_x_RPbtD, 1, 2).reshape(x_BtD.shape))
 
     def one_chunk(carry, chunk):
       loss, (d_head, d_x_BtD) = chunk_grads(chunk)
       return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], d_head)), d_x_BtD
 
-    chunks_cB = (to_chunks(x_BTD), to_chunks(targets_BT))
+    chunks_cB = (to_chunks(x_BTD), *map(to_chunks, scored))
     # The first chunk starts the sums (a zero start would lose shard_map's varying axes).
     loss, (d_head, d_x_BtD) = chunk_grads(jax.tree.map(lambda x: x[0], chunks_cB))
     (total, d_head), d_x_cBtD = jax.lax.scan(one_chunk, (loss, d_head), jax.tree.map(lambda x: x[1:], chunks_cB))
@@ -266,7 +273,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT):
             (d_x_BTD * scale).astype(x_BTD.dtype), None, None)
 
   mean_loss.defvjp(forward, backward)
-  return mean_loss(head, x_BTD, stack, targets_BT)
+  return mean_loss(head, x_BTD, stack, (targets_BT,) if weights_BT is None else (targets_BT, weights_BT))
 
 
 def document_ids(tokens_BT, document_end: int):
@@ -309,19 +316,20 @@ class LanguageModel(nnx.Module):
     """Float32 next-token logits for every position of in-order tokens."""
     return self.logits(self.run_blocks(self.embed_tokens(tokens_BT))[0])
 
-  def head_loss(self, x_BTD, targets_BT):
-    return chunked_cross_entropy(self, x_BTD, targets_BT)
+  def head_loss(self, x_BTD, targets_BT, weights_BT=None):
+    return chunked_cross_entropy(self, x_BTD, targets_BT, weights_BT)
 
-  def objective(self, tokens_BT, targets_BT, positions_T=None):
+  def objective(self, tokens_BT, targets_BT, positions_T=None, weights_BT=None):
     """(cross-entropy + auxiliary losses, statistics): what training differentiates and logs.
 
     With model.document_end set, the sequences are packed documents: a token
     attends within its own document, and learned positions count from its start.
+    With `weights_BT`, each position's cross-entropy is weighted (chunked_cross_entropy).
     """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
     segments_BT, embed_positions = packed_documents(tokens_BT, positions_T, self.cfg.document_end)
     x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
-    loss = self.head_loss(x_BTD, targets_BT)
+    loss = self.head_loss(x_BTD, targets_BT, weights_BT)
     return loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):

@@ -102,14 +102,14 @@ def loss_and_grads(layout, params, batch, scale=None):
 
 def _tokens(layout, batch) -> dict:
   """What the stages read of the batch, in the order the context strategy wants the sequence (zig-zag for
-  the ring): inputs, targets, positions, the positions the embedding sees and, packed, segment ids."""
-  inputs_BT, targets_BT = batch["inputs"], batch["targets"]
-  order_T = context.token_order(layout.context, inputs_BT.shape[1], layout.mesh.shape[SEQUENCE])
+  the ring): inputs, targets, any loss weights, positions, the positions the embedding sees and, packed,
+  segment ids."""
+  order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
   if order_T is not None:
-    inputs_BT, targets_BT = inputs_BT[:, order_T], targets_BT[:, order_T]
-  positions_T = jnp.arange(inputs_BT.shape[1]) if order_T is None else jnp.asarray(order_T)
-  segments_BT, embed_positions = packed_documents(inputs_BT, positions_T, layout.model.document_end)
-  tokens = {"inputs": inputs_BT, "targets": targets_BT, "positions": positions_T, "embed_positions": embed_positions}
+    batch = {name: batch_BT[:, order_T] for name, batch_BT in batch.items()}
+  positions_T = jnp.arange(batch["inputs"].shape[1]) if order_T is None else jnp.asarray(order_T)
+  segments_BT, embed_positions = packed_documents(batch["inputs"], positions_T, layout.model.document_end)
+  tokens = {**batch, "positions": positions_T, "embed_positions": embed_positions}
   return tokens if segments_BT is None else {**tokens, "segments": segments_BT}
 
 
@@ -209,7 +209,9 @@ def _circular(layout, params, tokens, scale):
   ring = [(p, (p + 1) % stages) for p in range(stages)]
   stage = jax.lax.axis_index(PIPELINE)
   # Rows of this stage's share of the head: 1/P of every device's rows, the same on every stage.
-  targets_PrT = _micro_batches(layout, tokens, "targets").reshape(stages, -1, tokens["targets"].shape[1])
+  # (and the loss weights, fine-tuning on completions).
+  scored_PrT = {name: _micro_batches(layout, tokens, name).reshape(stages, -1, tokens[name].shape[1])
+                for name in ("targets", "weights") if name in tokens}
   segments_MbT = _micro_batches(layout, tokens, "segments")
 
   def share(params):
@@ -234,7 +236,8 @@ def _circular(layout, params, tokens, scale):
     # The last virtual stage lives on the last device: it sends each stage 1/P of its outputs' rows.
     y_PrTD = y_tbTD[out_ticks].reshape(stages, -1, *x_MbTD.shape[2:])
     y_rTD = jax.lax.all_to_all(y_PrTD, PIPELINE, 0, 0)[stages - 1]
-    cross_entropy = model.head_loss(y_rTD, targets_PrT[stage]) / (stages * _shards(layout))
+    cross_entropy = model.head_loss(y_rTD, *(s_PrT[stage] for s_PrT in scored_PrT.values())) / (
+        stages * _shards(layout))
     # Each busy tick's auxiliary loss, 1/M of it: the objective is the mean over the micro-batches.
     objective = cross_entropy + figures.get(AUX_LOSS, 0.0) / micro
     return scale * objective, (cross_entropy, figures)
@@ -273,14 +276,16 @@ def _one_f_one_b(layout, params, tokens, scale):
     model = nnx.merge(layout.graphdef, {**shared, STACKED: blocks})
     return split(model.embed_tokens(tokens["inputs"], tokens["embed_positions"]))
 
-  def head_loss(shared, y_btD, targets_bt):
-    loss = nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).head_loss(y_btD, targets_bt)
+  def head_loss(shared, y_btD, scored_bt):
+    loss = nnx.merge(layout.graphdef, {**shared, STACKED: blocks}).head_loss(y_btD, *scored_bt)
     loss = loss / (micro * _shards(layout) * stages)
     return scale * loss, loss
 
   x_MbTD, embed_vjp = jax.vjp(embed, shared)
-  # Every stage runs the head on 1/P of each micro-batch's tokens: this stage's share of the targets.
-  targets_MPt = split(tokens["targets"]).reshape(micro, stages, 1, -1)
+  # Every stage runs the head on 1/P of each micro-batch's tokens: this stage's share of the targets (and
+  # of the loss weights, fine-tuning on completions).
+  scored_MPt = tuple(split(tokens[name]).reshape(micro, stages, 1, -1) for name in ("targets", "weights")
+                     if name in tokens)
   idle_bTD, idle_figures = _zeros(jax.eval_shape(run_stage, blocks, x_MbTD[0], 0))
   # The cotangent of the stage's auxiliary loss: the objective adds 1/M of each micro-batch's (the step's is
   # the mean over micro-batches).
@@ -312,9 +317,9 @@ def _one_f_one_b(layout, params, tokens, scale):
     d_blocks, d_x_bTD = stage_vjp((d_out_bTD, d_aux))
     return jax.tree.map(jnp.add, block_grads, d_blocks), d_x_bTD
 
-  def turn_round(loss, shared_grads, y_1tD, targets_1t):
+  def turn_round(loss, shared_grads, y_1tD, scored_1t):
     (_, f_loss), (head_grads, d_y_1tD) = jax.value_and_grad(head_loss, argnums=(0, 1), has_aux=True)(
-        shared, y_1tD, targets_1t)
+        shared, y_1tD, scored_1t)
     return loss + f_loss, jax.tree.map(jnp.add, shared_grads, head_grads), d_y_1tD
 
   def tick(carry, t):
@@ -334,7 +339,7 @@ def _one_f_one_b(layout, params, tokens, scale):
     loss, shared_grads, d_y_1tD = jax.lax.cond(
         (done >= 0) & (done < micro), turn_round,
         lambda loss, grads, y, _: (loss, grads, _zeros(y)),
-        loss, shared_grads, y_1tD, targets_MPt[jnp.clip(done, 0, micro - 1), stage])
+        loss, shared_grads, y_1tD, tuple(s_MPt[jnp.clip(done, 0, micro - 1), stage] for s_MPt in scored_MPt))
     d_y_bTD = jax.lax.all_to_all(jnp.broadcast_to(d_y_1tD, (stages, *d_y_1tD.shape)), PIPELINE, 0, 0)
     d_y_bTD = d_y_bTD.reshape(y_bTD.shape)
     # Backward slot: micro-batch b, from the residuals its forward slot stashed.

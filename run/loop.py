@@ -46,6 +46,7 @@ def train(config, dry_run: bool = False) -> dict:
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)
   # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
   text_tokenizer = run_tokenizer(config.init_from, train_split.tokenizer, train_split.origin)
+  config.data.loss_mask = train_split.mask is not None  # the batches then carry loss weights
   if config.data.segments:  # packed documents end at the tokenizer's end-of-text, which the token files hold
     config.model.document_end = text_tokenizer.end_of_text
   layout = plan(config)  # refuses a bad mesh or model before anything compiles

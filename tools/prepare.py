@@ -3,6 +3,7 @@
   python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer byte
   python tools/prepare.py --input ~/corpus --output data/corpus --tokenizer hf:checkpoints/llama   # its tokenizer.json
   python tools/prepare.py --dataset data/raw/shards --text_field text --output data/corpus --workers 8
+  python tools/prepare.py --dataset instructions.jsonl --text_field prompt --completion_field completion --output data/sft
 
 --input: every file under the folder whose suffix is in TEXT_SUFFIXES (recursively, sorted by
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD; each
@@ -14,6 +15,10 @@ for `gpt2`, the tokenizer's eos_token for `hf:DIR`. --workers processes tokenize
 parallel, in order, with a progress bar of tokens and tokens/s. The last --val_fraction of
 the tokens is the val split. Writes train.bin, val.bin and meta.json (format:
 input_pipeline/token_files.py), each whole or not at all.
+
+--completion_field (with --dataset) prepares instruction data for fine-tuning on completions: each
+record is its --text_field (the prompt) followed by its --completion_field and the end-of-text, and
+train.mask / val.mask mark the completion's tokens and the end-of-text as the only ones scored.
 """
 
 import itertools
@@ -29,7 +34,7 @@ from absl import app, flags, logging  # pylint: disable=wrong-import-position
 from tqdm import tqdm  # pylint: disable=wrong-import-position
 
 from input_pipeline import token_files, tokenizer  # pylint: disable=wrong-import-position
-from input_pipeline.dataset_texts import FORMATS, dataset_texts  # pylint: disable=wrong-import-position
+from input_pipeline.dataset_texts import FORMATS, dataset_records, dataset_texts  # pylint: disable=wrong-import-position
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.
@@ -52,8 +57,9 @@ def text_files(folder: Path, *, skip: Path | None = None) -> list[Path]:
 
 def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction: float = 0.05,
             overwrite: bool = False, dataset: str | None = None, text_field: str = "text",
-            workers: int = 1, progress: bool = False) -> tuple[int, dict]:
-  """Tokenizes `input_dir` (or `dataset`'s `text_field`) into `output_dir`; returns (documents, meta)."""
+            completion_field: str | None = None, workers: int = 1, progress: bool = False) -> tuple[int, dict]:
+  """Tokenizes `input_dir` (or `dataset`'s `text_field`, followed by its `completion_field` where given) into
+  `output_dir`; returns (documents, meta)."""
   output_dir = Path(output_dir).expanduser()
   if (input_dir is None) == (dataset is None):
     raise ValueError("give one of --input (a folder of text files) and --dataset (records with a text field).")
@@ -61,6 +67,9 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
     raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1).")
   if workers < 1:
     raise ValueError(f"--workers={workers} must be at least 1.")
+  if completion_field and dataset is None:
+    raise ValueError(f"--completion_field={completion_field} reads records: give them as --dataset (jsonl, "
+                     "parquet, ...) with --text_field naming the prompt.")
   if output_dir.exists() and not output_dir.is_dir():
     raise ValueError(f"--output={output_dir} is a file, not a folder; give a folder for train.bin, "
                      "val.bin and meta.json.")
@@ -69,19 +78,24 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
     raise ValueError(f"{output_dir} already holds a prepared dataset ({', '.join(existing)}); "
                      "pass --overwrite to replace it.")
   tok = tokenizer.load_tokenizer(tokenizer_name)  # refuses a bad name before anything is read
-  texts = dataset_texts(dataset, text_field) if dataset is not None else folder_texts(input_dir, output_dir)
+  if completion_field:
+    texts = dataset_records(dataset, {"--text_field": text_field, "--completion_field": completion_field})
+  elif dataset is not None:
+    texts = dataset_texts(dataset, text_field)
+  else:
+    texts = folder_texts(input_dir, output_dir)
   with tqdm(unit=" tokens", unit_scale=True, disable=not progress) as bar:
     documents = 0
 
     def counted():  # the documents' ids as they stream by, counted, none kept
       nonlocal documents
       for chunk in encoded(texts, tokenizer_name, workers):
-        bar.update(len(chunk))
+        bar.update(len(chunk[0] if completion_field else chunk))
         documents += 1
         yield chunk
 
     meta = token_files.write_token_folder(output_dir, counted(), tokenizer=tok.name, vocab_size=tok.vocab_size,
-                                          val_fraction=val_fraction)
+                                          val_fraction=val_fraction, masked=bool(completion_field))
   return documents, meta
 
 
@@ -104,7 +118,11 @@ def folder_texts(input_dir, output_dir: Path):
 
 
 def encoded(texts, tokenizer_name: str, workers: int):
-  """Each text's ids followed by the end-of-text, in order; `workers` processes encode batches of BATCH."""
+  """Each text's ids followed by the end-of-text, in order; `workers` processes encode batches of BATCH.
+
+  A (prompt, completion) pair instead gives (ids, mask): the prompt's ids then the completion's and the
+  end-of-text, the mask 1 on the latter only (each part tokenized on its own, so the prompt ends where
+  its text does)."""
   batches = iter(lambda: list(itertools.islice(texts, BATCH)), [])
   if workers == 1:
     _load_worker_tokenizer(tokenizer_name)
@@ -123,16 +141,28 @@ def _load_worker_tokenizer(name: str):
   _worker_tokenizer = tokenizer.load_tokenizer(name)
 
 
-def _encode_batch(texts: list[str]) -> list[np.ndarray]:
-  return [np.append(_worker_tokenizer.encode(text), np.int32(_worker_tokenizer.end_of_text)).astype(np.int32)
-          for text in texts]
+def _encode_batch(texts: list) -> list:
+  return [_encode_pair(*text) if isinstance(text, tuple) else _encode_document(text) for text in texts]
+
+
+def _encode_document(text: str) -> np.ndarray:
+  return np.append(_worker_tokenizer.encode(text), np.int32(_worker_tokenizer.end_of_text)).astype(np.int32)
+
+
+def _encode_pair(prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+  prompt_ids, completion_ids = np.asarray(_worker_tokenizer.encode(prompt)), _encode_document(completion)
+  mask = np.concatenate([np.zeros(len(prompt_ids), np.uint8), np.ones(len(completion_ids), np.uint8)])
+  return np.concatenate([prompt_ids, completion_ids]).astype(np.int32), mask
 
 
 def define_flags():
   """Defines the command line; only when run, so importing prepare() leaves global flags alone."""
   flags.DEFINE_string("input", None, "Folder of text files, read recursively (or give --dataset).")
   flags.DEFINE_string("dataset", None, "Local parquet/jsonl/arrow/csv/text file or folder, or a hub dataset name.")
-  flags.DEFINE_string("text_field", "text", "With --dataset: the field holding each document's text.")
+  flags.DEFINE_string("text_field", "text", "With --dataset: the field holding each document's text (with "
+                      "--completion_field, the prompt's).")
+  flags.DEFINE_string("completion_field", None, "With --dataset: the field holding each record's completion, "
+                      "the only tokens the loss scores (fine-tuning on completions).")
   flags.DEFINE_integer("workers", 1, "Tokenizing processes.")
   flags.DEFINE_string("output", None, "Folder to write train.bin, val.bin, meta.json.",
                       required=True)
@@ -150,7 +180,8 @@ def main(argv):
   try:
     num_files, meta = prepare(args.input, args.output, tokenizer_name=args.tokenizer,
                               val_fraction=args.val_fraction, overwrite=args.overwrite, dataset=args.dataset,
-                              text_field=args.text_field, workers=args.workers, progress=True)
+                              text_field=args.text_field, completion_field=args.completion_field,
+                              workers=args.workers, progress=True)
   except ValueError as error:
     sys.exit(f"prepare.py: {error}")  # one line on stderr, exit status 1
   total = meta["train_tokens"] + meta["val_tokens"]

@@ -149,9 +149,10 @@ def active_param_count(layout: Layout) -> int:
 
 
 def abstract_inputs(layout: Layout, config):
-  """ShapeDtypeStructs carrying shardings for the state and one batch."""
+  """ShapeDtypeStructs carrying shardings for the state and one batch (with loss weights where the data has
+  loss masks: config.data.loss_mask)."""
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        layout.abstract_state, layout.state_shardings)
-  token = jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), "int32",
-                               sharding=layout.batch_sharding)
-  return state, {"inputs": token, "targets": token}
+  batch = {name: jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), dtype, sharding=layout.batch_sharding)
+           for name, dtype in (("inputs", "int32"), ("targets", "int32"), ("weights", "float32"))}
+  return state, batch if config.data.get("loss_mask") else {k: v for k, v in batch.items() if k != "weights"}

@@ -13,20 +13,35 @@ from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
 
+def normalized_weights(batch):
+  """`batch` with its per-token loss weights (where it has them) scaled to average 1 over the whole batch.
+
+  Fine-tuning on completions weights the answer's tokens 1 and the rest 0 (input_pipeline/data.py). Scaled
+  here, before any split into micro-batches or pipeline slots, the mean of weight x loss that each part
+  takes (chunked_cross_entropy) averages to the mean over the batch's weighted tokens on any layout. A
+  batch without a weighted token keeps its zeros: its loss is 0.
+  """
+  if "weights" not in batch:
+    return batch
+  weights_BT = batch["weights"]
+  return {**batch, "weights": weights_BT * (weights_BT.size / jnp.maximum(weights_BT.sum(), 1.0))}
+
+
 def objective(layout: Layout, params, batch):
   """(what training differentiates, statistics with the cross-entropy and any router figures)."""
   model = nnx.merge(layout.graphdef, params)
   order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
   if order_T is None:
-    return model.objective(batch["inputs"], batch["targets"])
+    return model.objective(batch["inputs"], batch["targets"], weights_BT=batch.get("weights"))
   # Ring attention balances causal work over a zig-zag token order; the model
   # follows token positions, and the mean loss does not care about order.
-  return model.objective(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T))
+  ordered = {name: batch_BT[:, order_T] for name, batch_BT in batch.items()}
+  return model.objective(ordered["inputs"], ordered["targets"], jnp.asarray(order_T), ordered.get("weights"))
 
 
 def loss_fn(layout: Layout, params, batch) -> jax.Array:
-  """The next-token cross-entropy."""
-  return objective(layout, params, batch)[1]["cross_entropy"]
+  """The next-token cross-entropy (over the weighted tokens, where the batch weights them)."""
+  return objective(layout, params, normalized_weights(batch))[1]["cross_entropy"]
 
 
 def schedule_grad_fn(layout: Layout, scale=None):
@@ -59,6 +74,7 @@ def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
   Under a loss `scale` the gradients stay scaled: the caller checks them for overflow, then unscales.
   """
   grad_fn = schedule_grad_fn(layout, scale)
+  batch = normalized_weights(batch)
   if grad_accum == 1:
     return grad_fn(params, batch)
 
@@ -118,8 +134,8 @@ def make_train_step(layout: Layout, config, donate: bool = True):
       metrics["loss_scale"] = scale
     return new_state, metrics
 
-  batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
-  return jax.jit(train_step, in_shardings=(layout.state_shardings, batch_shardings),
+  # One sharding for every entry of the batch: inputs, targets and, fine-tuning on completions, weights.
+  return jax.jit(train_step, in_shardings=(layout.state_shardings, layout.batch_sharding),
                  out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0 if donate else ())
 
 
@@ -130,8 +146,7 @@ def make_eval_step(layout: Layout):
     with placed(placement.for_layout(layout)):
       return loss_fn(layout, params, batch)
 
-  batch_shardings = {"inputs": layout.batch_sharding, "targets": layout.batch_sharding}
-  return jax.jit(eval_step, in_shardings=(layout.param_shardings, batch_shardings),
+  return jax.jit(eval_step, in_shardings=(layout.param_shardings, layout.batch_sharding),
                  out_shardings=layout.replicated())
 
 
