@@ -24,9 +24,17 @@ def dataset_texts(dataset: str, text_field: str, split: str = "train") -> Iterat
   return (texts[0] for texts in dataset_records(dataset, {"--text_field": text_field}, split))
 
 
-def dataset_records(dataset: str, fields: dict[str, str], split: str = "train") -> Iterator[tuple[str, ...]]:
-  """Each record's texts of `fields` ({the flag that names it: a field}), in order, as a tuple; refuses a
-  missing dataset, or one without records, before returning."""
+def dataset_conversations(dataset: str, messages_field: str) -> Iterator[list]:
+  """The `messages_field` of every record of `dataset`, in order: each a conversation, a list of
+  {"role": ..., "content": text}; refuses a missing field or a malformed conversation in one line."""
+  return (messages[0] for messages in dataset_records(dataset, {"--messages_field": messages_field},
+                                                      read=_messages))
+
+
+def dataset_records(dataset: str, fields: dict[str, str], split: str = "train", read=None) -> Iterator[tuple]:
+  """Each record's texts of `fields` ({the flag that names it: a field}), in order, as a tuple (or what
+  `read(record, number, file, flag, field)` makes of each field); refuses a missing dataset, or one without
+  records, before returning."""
   try:
     import datasets  # optional dependency (pyproject's `data` extra)
   except ImportError as error:
@@ -41,7 +49,7 @@ def dataset_records(dataset: str, fields: dict[str, str], split: str = "train") 
                                                       split="train", streaming=True)) for file in files]
   else:
     sources = [(dataset, None, functools.partial(datasets.load_dataset, dataset, split=split, streaming=True))]
-  texts = _texts(sources, fields)
+  texts = _texts(sources, fields, read or _text)
   try:
     first = next(texts, None)
   except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
@@ -53,27 +61,32 @@ def dataset_records(dataset: str, fields: dict[str, str], split: str = "train") 
   return itertools.chain([first], texts)
 
 
-def _texts(sources, fields: dict[str, str]) -> Iterator[tuple[str, ...]]:
-  """The texts of `fields` in every record of every (name, builder, load) in `sources`, in order; empty files
+def _texts(sources, fields: dict[str, str], read) -> Iterator[tuple]:
+  """`read` of `fields` in every record of every (name, builder, load) in `sources`, in order; empty files
   are skipped."""
   import pyarrow as pa  # a dependency of `datasets`
   import pyarrow.parquet as pq
   for name, builder, load in sources:
+    failure = None
     try:
       # `datasets` fails on an empty file and on a parquet file of no rows; neither holds a document.
       if builder and (Path(name).stat().st_size == 0
                       or builder == "parquet" and pq.read_metadata(name).num_rows == 0):
         continue
       for number, record in enumerate(load()):
-        yield tuple(_text(record, number, name, flag, field) for flag, field in fields.items())
+        yield tuple(read(record, number, name, flag, field) for flag, field in fields.items())
     except UnicodeDecodeError as error:
       number = _first_not_utf8(load, builder)
-      raise ValueError(f"{name if number is None else f'record {number} of {name}'} is not UTF-8 (byte "
-                       f"{error.object[error.start]:#04x}: {error.reason}); re-encode the file as UTF-8, or drop "
-                       "that record.") from None
+      failure = (f"{name if number is None else f'record {number} of {name}'} is not UTF-8 (byte "
+                 f"{error.object[error.start]:#04x}: {error.reason}); re-encode the file as UTF-8, or drop "
+                 "that record.")
     except pa.ArrowInvalid as error:
-      raise ValueError(f"{name} cannot be read as {builder or 'a dataset'} "
-                       f"({str(error).splitlines()[0]}); give files in the format their names say.") from None
+      failure = (f"{name} cannot be read as {builder or 'a dataset'} ({str(error).splitlines()[0]}); give files "
+                 "in the format their names say.")
+    # Raised once the handler has let go of the error, whose traceback holds the interrupted reader: as the
+    # refusal's context it would live to the interpreter's exit, where the reader's arrow threads abort it.
+    if failure:
+      raise ValueError(failure)
 
 
 def _text(record: dict, number: int, name: str, flag: str, field: str) -> str:
@@ -85,6 +98,19 @@ def _text(record: dict, number: int, name: str, flag: str, field: str) -> str:
     raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {field!r}, not "
                      f"text; pass the field that holds each document's text as {flag}.")
   return text or ""
+
+
+def _messages(record: dict, number: int, name: str, flag: str, field: str) -> list:
+  if field not in record:
+    raise ValueError(f"record {number} of {name} has no field {field!r}; its fields are "
+                     f"{', '.join(sorted(record))}: pass the one holding the conversation as {flag}.")
+  messages = record[field]
+  well_formed = isinstance(messages, list) and messages and all(
+      isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+  if not well_formed:
+    raise ValueError(f"record {number} of {name} holds {str(messages)[:60]!r} in {field!r}, not a conversation; "
+                     f"{flag} names a list of messages, each {{\"role\": ..., \"content\": text}}.")
+  return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _first_not_utf8(load, builder: str | None) -> int | None:

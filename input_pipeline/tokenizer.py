@@ -104,6 +104,11 @@ class HfTokenizer:
     # No special tokens added (no BOS per call): documents are joined with end_of_text instead.
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list]:
+    """encode(text) and each token's (start, stop) characters in `text`."""
+    encoding = self._tokenizer.encode(text, add_special_tokens=False)
+    return np.asarray(encoding.ids, np.int32), encoding.offsets
+
   def decode(self, ids) -> str:
     ids = [int(i) for i in np.asarray(ids).ravel()]
     # Runs of known ids decode together (a BPE token may be part of a character); others show U+FFFD.

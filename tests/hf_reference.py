@@ -9,6 +9,7 @@ transformers take seconds to import, so the tests batch their questions):
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
       transformers' own causal-LM loss with `targets` as the shifted labels
+  {"chat": D, "conversations": [...], "out": O.json}   apply_chat_template's text and ids of each conversation
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
                                                          and rotary settings),
                                                          and D2's dropout rates
@@ -84,7 +85,17 @@ def tokenize(job):
                "eos": tokenizer.eos_token_id}, f)
 
 
-JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize}
+def chat(job):
+  """transformers' rendering of each conversation with the directory's chat template, as text and as ids."""
+  from transformers import AutoTokenizer
+  tokenizer = AutoTokenizer.from_pretrained(job["chat"])
+  with open(job["out"], "w") as f:
+    json.dump([{"text": tokenizer.apply_chat_template(messages, tokenize=False),
+                "ids": list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])}
+               for messages in job["conversations"]], f)
+
+
+JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":
   torch.set_num_threads(1)  # the tests run beside XLA on a small machine

@@ -106,3 +106,69 @@ def test_export_carries_the_tokenizer_the_text_went_through_and_writes_bf16(toke
   reference = json.loads((tmp_path / "ids.json").read_text())
   assert reference == {"ids": [tok.encode(text).tolist() for text in texts], "eos": tok.end_of_text}
   assert np.load(tmp_path / "logits.npy").shape == (2, 4, tok.vocab_size)
+
+
+# ChatML, as Qwen's chat models write their turns, after a beginning-of-sequence token.
+CHATML = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CONVERSATIONS = [
+    [{"role": "system", "content": "the mesh trains"}, {"role": "user", "content": "héllo wörld"},
+     {"role": "assistant", "content": "print('hello')"}, {"role": "user", "content": "日本"},
+     {"role": "assistant", "content": "the model"}],
+    [{"role": "user", "content": "the model"}, {"role": "assistant", "content": "héllo"}],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tokenizer_dir, tmp_path_factory):
+  """tokenizer_dir's BPE with ChatML's special tokens and template, as a chat model's directory holds it."""
+  folder = tmp_path_factory.mktemp("chat")
+  bpe = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+  bpe.add_special_tokens(["<|im_start|>", "<|im_end|>", "<s>"])
+  bpe.save(str(folder / "tokenizer.json"))
+  (folder / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": END, "bos_token": "<s>", "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}))
+  return folder
+
+
+def test_chat_records_are_rendered_as_transformers_renders_them_and_only_answers_are_scored(chat_tokenizer_dir,
+                                                                                            tmp_path):
+  (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+  prepare.prepare(None, tmp_path / "out", tokenizer_name=f"hf:{chat_tokenizer_dir}", val_fraction=0.0,
+                  dataset=str(tmp_path / "chats.jsonl"), messages_field="messages")
+  split = data.open_split(data_config(path=tmp_path / "out"), "train", vocab_size=512)
+  run_reference([{"chat": str(chat_tokenizer_dir), "conversations": CONVERSATIONS,
+                  "out": str(tmp_path / "chat.json")}], tmp_path)
+  reference = json.loads((tmp_path / "chat.json").read_text())
+  tok = load_tokenizer(f"hf:{chat_tokenizer_dir}")
+  # The ids are transformers' apply_chat_template ids, each conversation followed by the end-of-text.
+  np.testing.assert_array_equal(split.tokens, np.concatenate([r["ids"] + [tok.end_of_text] for r in reference]))
+  # Scored: each assistant turn's content and its end-of-turn, and the end-of-text after a final answer.
+  scored = tok.decode(np.where(split.mask, split.tokens, tok.vocab_size))
+  assert [run for run in scored.split("\ufffd") if run] == ["print('hello')<|im_end|>\n", "the model<|im_end|>\n<|endoftext|>",
+                                    "héllo<|im_end|>\n<|endoftext|>"]
+
+
+def test_chat_records_need_a_chat_template_and_conversations(tokenizer_dir, chat_tokenizer_dir, tmp_path):
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "text": "hi"}]}) + "\n")
+  (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+  run = lambda tokenizer_name, records: prepare.prepare(
+      None, tmp_path / "out", tokenizer_name=tokenizer_name, dataset=str(tmp_path / records), messages_field="messages")
+  with pytest.raises(ValueError, match=r"^--messages_field renders the tokenizer's chat template, which "
+                                       r"--tokenizer=byte lacks; give the chat model's as --tokenizer=hf:DIR\.$"):
+    run("byte", "chats.jsonl")
+  with pytest.raises(ValueError, match=r"tokenizer_config.json has no chat_template; --messages_field needs the "
+                                       r"tokenizer of a chat model"):
+    run(f"hf:{tokenizer_dir}", "chats.jsonl")
+  with pytest.raises(ValueError, match=r"^record 0 of .*bad.jsonl holds .* in 'messages', not a conversation; "
+                                       r"--messages_field names a list of messages"):
+    run(f"hf:{chat_tokenizer_dir}", "bad.jsonl")
+  # A template that marks the last turn renders earlier turns differently once another follows.
+  shutil.copytree(chat_tokenizer_dir, tmp_path / "last")
+  config = json.loads((tmp_path / "last" / "tokenizer_config.json").read_text())
+  config["chat_template"] = "{% for m in messages %}{% if loop.last %}>{% endif %}{{ m['content'] }}{% endfor %}"
+  (tmp_path / "last" / "tokenizer_config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"^the conversation that begins 'the model': its chat template renders "
+                                       r"earlier turns differently once later ones follow"):
+    run(f"hf:{tmp_path / 'last'}", "chats.jsonl")
+  assert not (tmp_path / "out").exists()
