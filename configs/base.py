@@ -95,7 +95,8 @@ def base() -> ml_collections.ConfigDict:
   c.moe = ml_collections.ConfigDict()
   c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense
   c.moe.every = 1  # every k-th layer's feed-forward is a mixture of experts (1: all, 2: alternate)
-  c.moe.top_k = 2  # experts per token; their router weights are renormalised to sum to one
+  c.moe.top_k = 2  # experts per token
+  c.moe.renormalize = True  # the top-k router weights scaled to sum to one (Mixtral); False: the softmax's (OLMoE)
   c.moe.capacity_factor = 1.25  # slots per expert = factor x k x tokens / E per sequence; overflow is dropped
   c.moe.dropless = False  # True: no drops; grouped matmuls (ragged_dot), or T slots under mesh.expert
   c.moe.balance_weight = 0.01  # alpha in alpha * E * sum_i f_i P_i (Switch Transformer)

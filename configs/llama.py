@@ -7,6 +7,9 @@ CPU; `long` is tiny with a 4,096-token context, for sequence parallelism;
 Llama 3.1's shapes (Llama Team, "The Llama 3 Herd of Models", 2024, table 3), for
 planning (tools/plan.py) and dry runs. `moe_<variant>` makes
 every other layer's SwiGLU a mixture of 8 experts with top-2 routing.
+`mixtral_8x7b` is Mixtral 8x7B's shape (its config.json): Llama 3 8B's blocks
+with every feed-forward layer 8 experts, 2 per token, none dropped, as
+`--config.init_from=hf:<directory>` sets up a Mixtral checkpoint.
 """
 
 from configs.base import base
@@ -24,6 +27,11 @@ CPU_VARIANTS = ("tiny", "long")
 
 
 def get_config(variant: str = "tiny"):
+  if variant == "mixtral_8x7b":
+    c = get_config("8b")  # 32 layers, 32 heads, 8 kv heads, width 4096, experts 14336 wide
+    c.model.vocab_size, c.model.max_len, c.model.rope_theta = 32000, 32768, 1000000.0
+    c.moe.experts, c.moe.top_k, c.moe.every, c.moe.dropless = 8, 2, 1, True
+    return c
   if variant.startswith("moe_"):
     c = get_config(variant[len("moe_"):])
     # Mixtral's shape: 8 SwiGLU experts, 2 per token; here every other layer, as in Switch Transformer.
@@ -31,7 +39,7 @@ def get_config(variant: str = "tiny"):
     return c
   if variant not in SIZES:
     raise ValueError(f"unknown Llama variant {variant!r}; choose one of {', '.join(SIZES)}, "
-                     "each also as moe_<size>.")
+                     "each also as moe_<size>, or mixtral_8x7b.")
   c = base()
   layers, heads, kv_heads, width, mlp, context = SIZES[variant]
   c.model.family = "llama"

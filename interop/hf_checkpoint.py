@@ -45,8 +45,9 @@ class HFCheckpoint:
 
   def configure(self, config) -> None:
     """Give `config.model` the checkpoint's shape, and refuse tensors that do not fit it."""
-    for field, value in self.fields.items():
-      config.model[field] = value
+    for field, value in self.fields.items():  # config.model's, and config.moe's as "moe.NAME"
+      section, _, name = field.rpartition(".")
+      config[section or "model"][name] = value
     cfg = model_config(config)
     for name, shape in _expected_shapes(cfg, self.tied).items():
       stored = self._stored_name(name)
@@ -57,8 +58,9 @@ class HFCheckpoint:
                          f"config.json declares {shape}.")
 
   def describe(self, cfg: ModelConfig) -> str:
+    experts = f", {cfg.num_experts} experts (top {cfg.moe_top_k})" if cfg.num_experts else ""
     return (f"{self.directory}: {cfg.family}, {cfg.num_layers} layers, {cfg.num_heads} heads, width "
-            f"{cfg.embed_dim}, vocabulary {cfg.vocab_size} (padded to {cfg.padded_vocab})")
+            f"{cfg.embed_dim}{experts}, vocabulary {cfg.vocab_size} (padded to {cfg.padded_vocab})")
 
   def load_params(self, layout: Layout) -> dict:
     """The checkpoint's weights as the params pytree, each array placed in its sharding."""
@@ -180,9 +182,16 @@ def _tensor_files(directory: Path) -> dict:
 def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
   shapes = {}
   for path, tensor in hf_mapping.tensors(cfg, tied).items():
-    layers = range(cfg.num_layers) if path[0] == STACKED else [None]
-    shapes.update({tensor.name.format(layer=layer): tensor.hf_shape for layer in layers})
+    for index in _indices(cfg, tensor, stacked=path[0] == STACKED):
+      shapes[tensor.name.format(**index)] = tensor.hf_shape
   return shapes
+
+
+def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, *, stacked: bool) -> list[dict]:
+  """The {layer, expert} of each Hugging Face tensor one meshlm weight is made of, in its leading axes' order."""
+  layers = range(cfg.num_layers) if stacked else [None]
+  experts = range(cfg.num_experts) if tensor.per_expert else [None]
+  return [{"layer": layer, "expert": expert} for layer in layers for expert in experts]
 
 
 def _path(key_path) -> tuple:
@@ -190,11 +199,16 @@ def _path(key_path) -> tuple:
 
 
 def _leaf_block(read, tensor: hf_mapping.Tensor, ranges: tuple, *, stacked: bool, vocab: int) -> np.ndarray:
-  """The block `ranges` ((start, stop) per meshlm axis) of one weight; a stacked weight reads layer by layer."""
-  if not stacked:
-    return _layer_block(read, tensor.name, tensor, ranges, vocab)
-  return np.stack([_layer_block(read, tensor.name.format(layer=layer), tensor, ranges[1:], vocab)
-                   for layer in range(*ranges[0])])
+  """The block `ranges` ((start, stop) per meshlm axis) of one weight; a stacked weight reads layer by layer,
+  and an expert's matrix expert by expert."""
+  leading = ("layer",) * stacked + ("expert",) * tensor.per_expert
+
+  def block(index: dict, ranges: tuple) -> np.ndarray:
+    if len(index) == len(leading):
+      return _layer_block(read, tensor.name.format(**index), tensor, ranges, vocab)
+    return np.stack([block({**index, leading[len(index)]: i}, ranges[1:]) for i in range(*ranges[0])])
+
+  return block({}, ranges)
 
 
 def _layer_block(read, name: str, tensor: hf_mapping.Tensor, ranges: tuple, vocab: int) -> np.ndarray:
@@ -267,9 +281,11 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
     leaf = params
     for key in path:
       leaf = leaf[key]
-    layers = [(layer, leaf[layer]) for layer in range(cfg.num_layers)] if path[0] == STACKED else [(None, leaf)]
-    for layer, array in layers:
-      hf.setdefault(tensor.name.format(layer=layer),
+    for index in _indices(cfg, tensor, stacked=path[0] == STACKED):
+      array = leaf
+      for i in (i for i in index.values() if i is not None):
+        array = array[i]
+      hf.setdefault(tensor.name.format(**index),
                     _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
   made = [p for p in target.parents if not p.exists()]  # folders made for the export, innermost first
   try:

@@ -8,6 +8,14 @@ Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
   apart, as meshlm's do. Nothing is split or fused in either direction.
 - Qwen. Qwen2 and Qwen3 are Llama's tensors plus Qwen2's q/k/v_proj biases
   (heads x head_dim, flat in HF) or Qwen3's q_norm/k_norm gains (head_dim).
+- Experts. Mixtral is Llama, and Qwen3-MoE Qwen3, with every feed-forward layer
+  a mixture of experts: one architecture per family and `moe.experts > 0`.
+  Their files hold each expert's matrices apart (`experts.{expert}.w1`, or
+  `gate_proj`), which meshlm stacks on its `expert` axis; the router's
+  `gate` is (experts, width), meshlm's (width, experts). Both route as
+  meshlm does: softmax over all experts, top k, then (Mixtral always,
+  Qwen3-MoE where `norm_topk_prob`) the k weights renormalised; and both keep
+  every choice, so import sets `moe.dropless`.
 - Rotary. Hugging Face's Llama rotates (first half, second half) pairs of each
   head (`rotate_half`) with frequencies theta^(-i/half), which is what
   model/llama.py's `rotary` does, so q/k need no permutation. (The permutation
@@ -35,12 +43,14 @@ TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers give
 class Tensor:
   """One meshlm weight as a Hugging Face tensor: reshape each HF axis into `split`, then transpose by `perm`.
 
-  For a stacked block weight `name` holds `{layer}` and this is one layer's slice.
+  For a stacked block weight `name` holds `{layer}` and this is one layer's slice (and one expert's, for
+  `per_expert`).
   """
   name: str
   split: tuple  # per HF axis, the sizes it splits into (an unsplit axis is a 1-tuple)
   perm: tuple  # meshlm axis i is axis perm[i] of the split view
   padded_axis: int | None = None  # the meshlm axis padded from vocab_size to padded_vocab
+  per_expert: bool = False  # meshlm's first axis (after a stacked weight's layer) is the expert: `name` holds {expert}
 
   @property
   def hf_shape(self) -> tuple:
@@ -75,10 +85,35 @@ def gpt2_tensors(cfg: ModelConfig, tied: bool) -> dict:
   }
 
 
-def llama_tensors(cfg: ModelConfig, tied: bool) -> dict:
+# A mixture-of-experts architecture's names, within a layer, for the router and each expert's gate, up and down.
+MIXTRAL_EXPERTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.w1.weight",
+                   "block_sparse_moe.experts.{expert}.w3.weight", "block_sparse_moe.experts.{expert}.w2.weight")
+QWEN_MOE_EXPERTS = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight",
+                    "mlp.experts.{expert}.down_proj.weight")
+
+
+def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None) -> dict:
+  """The rotary families' tensors; with `experts` (an architecture's names), the feed-forward layers' experts."""
+  d, f = cfg.embed_dim, cfg.mlp_dim
+  layer = "model.layers.{layer}."
+  table = _llama_dense_tensors(cfg, tied, layer)
+  if experts is None:
+    return table
+  router, gate, up, down = (layer + name for name in experts)
+  table = {path: tensor for path, tensor in table.items() if path[:2] != ("blocks", "mlp")}
+  table.update({
+      ("blocks", "mlp", "router"): Tensor(router, ((cfg.num_experts,), (d,)), (1, 0)),
+      ("blocks", "mlp", "gate_kernel"): Tensor(gate, ((f,), (d,)), (1, 0), per_expert=True),
+      ("blocks", "mlp", "up_kernel"): Tensor(up, ((f,), (d,)), (1, 0), per_expert=True),
+      ("blocks", "mlp", "down_kernel"): Tensor(down, ((d,), (f,)), (1, 0), per_expert=True),
+  })
+  # Every layer a mixture of experts: model/transformer.py's MoeUnit holds its one block as layers[0].
+  return {("blocks", "layers", 0, *path[1:]) if path[0] == "blocks" else path: tensor for path, tensor in table.items()}
+
+
+def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
   d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
                       cfg.vocab_size)
-  layer = "model.layers.{layer}."
   return {
       ("embed",): Tensor("model.embed_tokens.weight", ((v,), (d,)), (0, 1), padded_axis=0),
       ("blocks", "norm_attn", "scale"): _same(layer + "input_layernorm.weight", d),
@@ -109,7 +144,22 @@ def _qwen_attention_tensors(cfg: ModelConfig, attn: str) -> dict:
 
 def tensors(cfg: ModelConfig, tied: bool) -> dict:
   """meshlm weight path -> Tensor, for the family of `cfg`."""
-  return MAPPINGS[cfg.family].tensors(cfg, tied)
+  return mapping_of(cfg).tensors(cfg, tied)
+
+
+def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
+  """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
+  found = next((m for m in MAPPINGS.values() if m.family == cfg.family and m.experts == bool(cfg.num_experts)), None)
+  if found is None:
+    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts} has no Hugging Face architecture; "
+                     "export a dense model, or a llama or qwen3 with experts (Mixtral, Qwen3-MoE).")
+  if cfg.num_experts and cfg.moe_every != 1:
+    raise ValueError(f"moe.every={cfg.moe_every}: {found.architecture} makes every feed-forward layer a mixture "
+                     "of experts; export a model trained with moe.every=1.")
+  if cfg.num_experts and not cfg.moe_renormalize and found.architecture == "MixtralForCausalLM":
+    raise ValueError("moe.renormalize=False: Mixtral always renormalises its top-k router weights; export a "
+                     "model trained with moe.renormalize=True.")
+  return found
 
 
 def model_fields(hf: dict, where: str) -> tuple[dict, bool]:
@@ -143,6 +193,11 @@ _LLAMA_REFUSED = (
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
 _QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
 _QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
+_MIXTRAL_REFUSED = (_LLAMA_REFUSED[0], ("sliding_window", None, "attention over the whole causal context"),
+                    ("router_jitter_noise", 0.0, "a router without noise"))
+# Where a layer's feed-forward is dense or experts: meshlm's import makes every layer experts.
+_EVERY_LAYER_EXPERTS = (("decoder_sparse_step", 1, "every feed-forward layer a mixture of experts"),
+                        ("mlp_only_layers", [], "every feed-forward layer a mixture of experts"))
 # transformers' rotary types (rope_type) meshlm computes (model/llama.py rotary_frequencies), and the
 # fields of each it reads into config.model: {transformers' name: meshlm's}.
 ROPE_FIELDS = {
@@ -187,9 +242,25 @@ def _llama_fields(hf: dict, where: str, family: str = "llama") -> dict:
               norm_eps=hf.get("rms_norm_eps", FAMILIES["llama"].norm_eps), rope_theta=float(rope["rope_theta"]))
 
 
+# transformers 5 writes num_local_experts for every MoE architecture; Qwen-MoE configs before it, num_experts.
+EXPERT_COUNT = ("num_local_experts", "num_experts")
+
+
+def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: bool) -> dict:
+  """config.model and config.moe (dotted) fields of a mixture-of-experts checkpoint: its family's fields, the
+  experts' count, width and top k, every choice kept, and whether the top-k weights are renormalised (the
+  config's norm_topk_prob, else the architecture's `renormalize`)."""
+  experts = next((hf[name] for name in EXPERT_COUNT if name in hf), None)
+  if experts is None:
+    raise KeyError(" or ".join(EXPERT_COUNT))
+  return {**_llama_fields(hf, where, family), "mlp_dim": hf[width], "moe.experts": experts,
+          "moe.top_k": hf["num_experts_per_tok"], "moe.every": 1, "moe.dropless": True,
+          "moe.renormalize": bool(hf.get("norm_topk_prob", renormalize))}
+
+
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
   """A config.json that transformers builds the same model from, with `dtype` weights."""
-  return MAPPINGS[cfg.family].config(cfg, tied, dtype)
+  return mapping_of(cfg).config(cfg, tied, dtype)
 
 
 def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
@@ -206,10 +277,10 @@ def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
 
 
 def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
-  mapping = MAPPINGS[cfg.family]
+  mapping = mapping_of(cfg)
   rope = {"rope_type": cfg.rope_type,
           **{theirs: getattr(cfg, ours) for theirs, ours in ROPE_FIELDS[cfg.rope_type].items()}}
-  return dict(architectures=[mapping.architecture], model_type=cfg.family, num_hidden_layers=cfg.num_layers,
+  return dict(architectures=[mapping.architecture], model_type=mapping.model_type, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
               vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
@@ -219,24 +290,47 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
               tie_word_embeddings=tied, dtype=dtype)
 
 
+def _expert_config(cfg: ModelConfig, tied: bool, dtype: str, width: str, **fixed) -> dict:
+  """_llama_config with the experts' count (under each name transformers has read it by), width and top k."""
+  return {**_llama_config(cfg, tied, dtype), **dict.fromkeys(EXPERT_COUNT, cfg.num_experts), width: cfg.mlp_dim,
+          "num_experts_per_tok": cfg.moe_top_k, **fixed}
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilyMapping:
-  """One model family's Hugging Face conversion: adding a family adds one of these."""
+  """One Hugging Face architecture's conversion: adding a family (or its experts) adds one of these."""
 
   architecture: str  # config.json's `architectures` entry
+  model_type: str  # config.json's `model_type`
+  family: str  # meshlm's model.family
+  experts: bool  # whether its feed-forward layers are mixtures of experts (moe.experts > 0)
   refused: tuple  # (field, transformers' default, what meshlm computes instead)
-  fields: Callable[[dict, str], dict]  # config.json -> config.model fields
+  fields: Callable[[dict, str], dict]  # config.json -> config.model fields (config.moe's as "moe.NAME")
   tied: Callable[[dict], bool]  # whether config.json ties the head to the token table
   tensors: Callable[[ModelConfig, bool], dict]  # meshlm weight path -> Tensor
   config: Callable[[ModelConfig, bool, str], dict]  # config.model -> config.json
 
 
-MAPPINGS = {
-    "gpt2": FamilyMapping("GPT2LMHeadModel", _GPT2_REFUSED, _gpt2_fields, lambda hf: True, gpt2_tensors,
-                          _gpt2_config),
-    **{family: FamilyMapping(architecture, refused, functools.partial(_llama_fields, family=family),
-                             lambda hf: bool(hf.get("tie_word_embeddings", False)), llama_tensors, _llama_config)
-       for family, architecture, refused in (("llama", "LlamaForCausalLM", _LLAMA_REFUSED),
-                                             ("qwen2", "Qwen2ForCausalLM", _QWEN2_REFUSED),
-                                             ("qwen3", "Qwen3ForCausalLM", _QWEN3_REFUSED))},
-}
+def _rotary(architecture: str, model_type: str, family: str, refused: tuple, experts: tuple | None = None,
+            fields=None, config=None) -> FamilyMapping:
+  return FamilyMapping(architecture, model_type, family, experts is not None, refused,
+                       fields or functools.partial(_llama_fields, family=family),
+                       lambda hf: bool(hf.get("tie_word_embeddings", False)),
+                       functools.partial(llama_tensors, experts=experts), config or _llama_config)
+
+
+MAPPINGS = {mapping.architecture: mapping for mapping in (
+    FamilyMapping("GPT2LMHeadModel", "gpt2", "gpt2", False, _GPT2_REFUSED, _gpt2_fields, lambda hf: True,
+                  gpt2_tensors, _gpt2_config),
+    _rotary("LlamaForCausalLM", "llama", "llama", _LLAMA_REFUSED),
+    _rotary("Qwen2ForCausalLM", "qwen2", "qwen2", _QWEN2_REFUSED),
+    _rotary("Qwen3ForCausalLM", "qwen3", "qwen3", _QWEN3_REFUSED),
+    _rotary("MixtralForCausalLM", "mixtral", "llama", _MIXTRAL_REFUSED, MIXTRAL_EXPERTS,
+            functools.partial(_expert_fields, family="llama", width="intermediate_size", renormalize=True),
+            functools.partial(_expert_config, width="intermediate_size")),
+    _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
+            # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
+            functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),
+            lambda cfg, tied, dtype: _expert_config(cfg, tied, dtype, width="moe_intermediate_size",
+                                                    intermediate_size=cfg.mlp_dim, norm_topk_prob=cfg.moe_renormalize)),
+)}

@@ -70,6 +70,7 @@ class ModelConfig:
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
   moe_dropless: bool = False
+  moe_renormalize: bool = True  # the k chosen experts' weights scaled to sum to one (Mixtral); False: softmax's own
   moe_balance_weight: float = 0.01
   moe_z_weight: float = 0.001
 

@@ -100,7 +100,15 @@ def _rounded_einsum_bwd(spec, residuals, g):
   (x_spec, w_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
   dx = jnp.einsum(f"{out_spec},{w_spec}->{x_spec}", g, w, preferred_element_type=x.dtype)
   dw = jnp.einsum(f"{x_spec},{out_spec}->{w_spec}", x, g, preferred_element_type=jnp.float32)
-  return dx, dw.astype(w.dtype)
+  return _summed_like(dx, x), _summed_like(dw, w).astype(w.dtype)
+
+
+def _summed_like(gradient, primal):
+  """`gradient` summed over the shard_map axes it varies along and `primal` does not (an expert's weights,
+  the same on every `data` shard, take one gradient from all of them): what autodiff inserts for a plain
+  einsum, as the transpose of the operand's implicit broadcast, and a custom rule must do itself."""
+  extra = jax.typeof(gradient).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying
+  return jax.lax.psum(gradient, tuple(sorted(extra))) if extra else gradient
 
 
 _rounded_einsum.defvjp(_rounded_einsum_fwd, _rounded_einsum_bwd)

@@ -64,7 +64,7 @@ def route(logits_BTE, positions_T, cfg: ModelConfig):
   k = cfg.moe_top_k
   probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
   weights_BTK, experts_BTK = _top_k(probs_BTE, k)
-  if k > 1:  # the chosen experts' weights sum to one (GShard, Mixtral)
+  if k > 1 and cfg.moe_renormalize:  # the chosen experts' weights sum to one (GShard, Mixtral)
     weights_BTK = weights_BTK / weights_BTK.sum(-1, keepdims=True)
   # Rank by (expert, round, position): positions, not array order, so a reordered sequence (zig-zag
   # ring) drops the same tokens. The sort runs along each group, so `batch` stays sharded.

@@ -11,6 +11,7 @@ transformers loads the exported directory to the very bits it saved.
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,13 +26,13 @@ from safetensors.numpy import load_file, save_file
 from configs.gpt2 import get_config
 from helpers import ROOT, assert_tree_close, batch_at, gradients, read_metrics, run_reference, tiny_config
 from input_pipeline import data
-from interop import hf_checkpoint
+from interop import hf_checkpoint, hf_mapping
 from model.placement import placed
 from parallel import placement
 from run.loop import train
 from tools.export import export
 from training.checkpoint import Checkpoints
-from training.state import plan, state_from_params
+from training.state import model_config, plan, state_from_params
 
 
 VOCAB = 300  # padded to 384 inside meshlm
@@ -54,8 +55,15 @@ MODELS = {
     # Qwen2.5's small models tie their head; Qwen3's heads are wider than hidden_size / heads (24, not 16).
     "qwen2": ("qwen2", dict(LLAMA_SHAPE, rope_theta=1e6, tie_word_embeddings=True), {}),
     "qwen3": ("qwen3", dict(LLAMA_SHAPE, rope_theta=1e6, head_dim=24), {}),
+    # Mixtral renormalises its top-2 router weights; this Qwen3-MoE keeps the softmax's (norm_topk_prob False).
+    "mixtral": ("mixtral", dict(LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2), {}),
+    "qwen3_moe": ("qwen3_moe", dict(LLAMA_SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=48, norm_topk_prob=False), {}),
 }
-FAMILIES = ("qwen2", "qwen3")  # beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds
+# Beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds: name -> the mesh to train on.
+FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 2, "mesh.tensor": 2},
+            "mixtral": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
+            "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 
@@ -122,14 +130,15 @@ def test_logits_match_transformers(reference, name, mesh):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_imported_family_trains_alike_on_a_mesh(reference, name):
-  """The imported weights' loss and gradients on data=2 x tensor=2 equal one device's (float32)."""
-  runs = []
-  for devices, mesh in ((jax.devices()[:1], {}), (jax.devices()[:4], {"mesh.data": 2, "mesh.tensor": 2})):
-    config, layout, params = imported(reference / name, devices, **mesh)
+  """The imported weights' loss and gradients on data=2 x tensor=2 (x expert=2 for experts) equal one device's
+  (float32)."""
+  runs, mesh = [], FAMILIES[name]
+  for devices, overrides in ((jax.devices()[:1], {}), (jax.devices()[:math.prod(mesh.values())], mesh)):
+    config, layout, params = imported(reference / name, devices, **overrides)
     runs.append(gradients(layout, params, batch_at(config, layout, 0)))
   (loss, grads), (mesh_loss, mesh_grads) = runs
   assert abs(mesh_loss - loss) < 1e-6 * loss, (mesh_loss, loss)
-  assert_tree_close(mesh_grads, grads, f"{name} on data=2 x tensor=2")
+  assert_tree_close(mesh_grads, grads, f"{name} on {mesh}")
 
 
 def hub_cache(directory: Path, cache: Path) -> Path:
@@ -228,7 +237,7 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   directory = copy_with(reference / "gpt2", tmp_path / "bert", config={"architectures": ["BertForMaskedLM"]})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
-          "Qwen2ForCausalLM, Qwen3ForCausalLM checkpoints")
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
@@ -255,6 +264,24 @@ def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   windowed = copy_with(reference / "qwen2", tmp_path / "windowed", config={"use_sliding_window": True})
   refused(tiny_config(init_from=f"hf:{windowed}", workdir=str(tmp_path / "run")),
           "sets use_sliding_window=True, but meshlm computes attention over the whole causal context")
+  mistral_window = copy_with(reference / "mixtral", tmp_path / "mixtral_window", config={"sliding_window": 4096})
+  refused(tiny_config(init_from=f"hf:{mistral_window}", workdir=str(tmp_path / "run")),
+          "sets sliding_window=4096, but meshlm computes attention over the whole causal context")
+  sparse = copy_with(reference / "qwen3_moe", tmp_path / "sparse", config={"decoder_sparse_step": 2})
+  refused(tiny_config(init_from=f"hf:{sparse}", workdir=str(tmp_path / "run")),
+          "sets decoder_sparse_step=2, but meshlm computes every feed-forward layer a mixture of experts")
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"moe.experts": 4}, r"^meshlm's gpt2 with moe.experts=4 has no Hugging Face architecture; export a dense model"),
+    ({"model.family": "llama", "moe.experts": 4, "moe.every": 2},
+     r"^moe.every=2: MixtralForCausalLM makes every feed-forward layer a mixture of experts"),
+    ({"model.family": "llama", "moe.experts": 4, "moe.renormalize": False},
+     r"^moe.renormalize=False: Mixtral always renormalises its top-k router weights"),
+])
+def test_export_refuses_experts_transformers_cannot_hold(overrides, says):
+  with pytest.raises(ValueError, match=says):
+    hf_mapping.hf_config(model_config(tiny_config(**overrides)), tied=False)
 
 
 def test_export_refuses_without_writing(tmp_path):
