@@ -8,6 +8,9 @@ Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
   apart, as meshlm's do. Nothing is split or fused in either direction.
 - Qwen. Qwen2 and Qwen3 are Llama's tensors plus Qwen2's q/k/v_proj biases
   (heads x head_dim, flat in HF) or Qwen3's q_norm/k_norm gains (head_dim).
+- Windows. Mistral is Llama with `sliding_window` (each query sees that many
+  latest positions, its own included: model.sliding_window); null is none.
+  Mixtral carries the same field.
 - Experts. Mixtral is Llama, and Qwen3-MoE Qwen3, with every feed-forward layer
   a mixture of experts: one architecture per family and `moe.experts > 0`.
   Their files hold each expert's matrices apart (`experts.{expert}.w1`, or
@@ -149,10 +152,13 @@ def tensors(cfg: ModelConfig, tied: bool) -> dict:
 
 def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
-  found = next((m for m in MAPPINGS.values() if m.family == cfg.family and m.experts == bool(cfg.num_experts)), None)
+  found = next((m for m in MAPPINGS.values() if m.family == cfg.family and m.experts == bool(cfg.num_experts)
+                and (m.windowed or not cfg.sliding_window)), None)
   if found is None:
-    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts} has no Hugging Face architecture; "
-                     "export a dense model, or a llama or qwen3 with experts (Mixtral, Qwen3-MoE).")
+    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts} and model.sliding_window="
+                     f"{cfg.sliding_window} has no Hugging Face architecture; export a llama (Llama, Mistral with a "
+                     "window, Mixtral with experts), a gpt2 or qwen2 without experts or window, or a qwen3 without a "
+                     "window.")
   if cfg.num_experts and cfg.moe_every != 1:
     raise ValueError(f"moe.every={cfg.moe_every}: {found.architecture} makes every feed-forward layer a mixture "
                      "of experts; export a model trained with moe.every=1.")
@@ -193,8 +199,8 @@ _LLAMA_REFUSED = (
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
 _QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
 _QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
-_MIXTRAL_REFUSED = (_LLAMA_REFUSED[0], ("sliding_window", None, "attention over the whole causal context"),
-                    ("router_jitter_noise", 0.0, "a router without noise"))
+_MISTRAL_REFUSED = (_LLAMA_REFUSED[0],)
+_MIXTRAL_REFUSED = (_LLAMA_REFUSED[0], ("router_jitter_noise", 0.0, "a router without noise"))
 # Where a layer's feed-forward is dense or experts: meshlm's import makes every layer experts.
 _EVERY_LAYER_EXPERTS = (("decoder_sparse_step", 1, "every feed-forward layer a mixture of experts"),
                         ("mlp_only_layers", [], "every feed-forward layer a mixture of experts"))
@@ -224,8 +230,9 @@ def _gpt2_fields(hf: dict, where: str) -> dict:
               vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", FAMILIES["gpt2"].norm_eps))
 
 
-def _llama_fields(hf: dict, where: str, family: str = "llama") -> dict:
-  """config.model for the rotary families (llama, qwen2, qwen3): their config.json fields are the same."""
+def _llama_fields(hf: dict, where: str, family: str = "llama", windowed: bool = False) -> dict:
+  """config.model for the rotary families (llama, qwen2, qwen3): their config.json fields are the same. A
+  `windowed` architecture's sliding_window is read too (Qwen's config.json names one it does not use)."""
   width, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_width = hf.get("head_dim") or width // heads
   # transformers 5 keeps rotary settings in rope_parameters; earlier versions in rope_scaling and rope_theta.
@@ -236,6 +243,7 @@ def _llama_fields(hf: dict, where: str, family: str = "llama") -> dict:
                      f"{', '.join(ROPE_FIELDS)} only.")
   scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs]) for theirs, ours in ROPE_FIELDS[rope_type].items()}
   return dict(**scaling, rope_type=rope_type, family=family, num_layers=hf["num_hidden_layers"], num_heads=heads,
+              sliding_window=(hf.get("sliding_window") or 0) if windowed else 0,  # null or absent: none
               head_width=0 if head_width * heads == width else head_width,
               kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
               mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
@@ -246,14 +254,14 @@ def _llama_fields(hf: dict, where: str, family: str = "llama") -> dict:
 EXPERT_COUNT = ("num_local_experts", "num_experts")
 
 
-def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: bool) -> dict:
+def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: bool, windowed: bool = False) -> dict:
   """config.model and config.moe (dotted) fields of a mixture-of-experts checkpoint: its family's fields, the
   experts' count, width and top k, every choice kept, and whether the top-k weights are renormalised (the
   config's norm_topk_prob, else the architecture's `renormalize`)."""
   experts = next((hf[name] for name in EXPERT_COUNT if name in hf), None)
   if experts is None:
     raise KeyError(" or ".join(EXPERT_COUNT))
-  return {**_llama_fields(hf, where, family), "mlp_dim": hf[width], "moe.experts": experts,
+  return {**_llama_fields(hf, where, family, windowed), "mlp_dim": hf[width], "moe.experts": experts,
           "moe.top_k": hf["num_experts_per_tok"], "moe.every": 1, "moe.dropless": True,
           "moe.renormalize": bool(hf.get("norm_topk_prob", renormalize))}
 
@@ -287,6 +295,7 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
               attention_dropout=0.0, **{field: default for field, default, _ in mapping.refused},
               rope_theta=cfg.rope_theta, rope_scaling=None if cfg.rope_type == "default" else rope,  # transformers 4
               rope_parameters={"rope_theta": cfg.rope_theta, **rope},  # transformers 5
+              **({"sliding_window": cfg.sliding_window or None} if mapping.windowed else {}),
               tie_word_embeddings=tied, dtype=dtype)
 
 
@@ -304,6 +313,7 @@ class FamilyMapping:
   model_type: str  # config.json's `model_type`
   family: str  # meshlm's model.family
   experts: bool  # whether its feed-forward layers are mixtures of experts (moe.experts > 0)
+  windowed: bool  # whether its attention may slide a window (config.json's sliding_window: model.sliding_window)
   refused: tuple  # (field, transformers' default, what meshlm computes instead)
   fields: Callable[[dict, str], dict]  # config.json -> config.model fields (config.moe's as "moe.NAME")
   tied: Callable[[dict], bool]  # whether config.json ties the head to the token table
@@ -312,22 +322,24 @@ class FamilyMapping:
 
 
 def _rotary(architecture: str, model_type: str, family: str, refused: tuple, experts: tuple | None = None,
-            fields=None, config=None) -> FamilyMapping:
-  return FamilyMapping(architecture, model_type, family, experts is not None, refused,
-                       fields or functools.partial(_llama_fields, family=family),
+            fields=None, config=None, windowed: bool = False) -> FamilyMapping:
+  return FamilyMapping(architecture, model_type, family, experts is not None, windowed, refused,
+                       fields or functools.partial(_llama_fields, family=family, windowed=windowed),
                        lambda hf: bool(hf.get("tie_word_embeddings", False)),
                        functools.partial(llama_tensors, experts=experts), config or _llama_config)
 
 
 MAPPINGS = {mapping.architecture: mapping for mapping in (
-    FamilyMapping("GPT2LMHeadModel", "gpt2", "gpt2", False, _GPT2_REFUSED, _gpt2_fields, lambda hf: True,
+    FamilyMapping("GPT2LMHeadModel", "gpt2", "gpt2", False, False, _GPT2_REFUSED, _gpt2_fields, lambda hf: True,
                   gpt2_tensors, _gpt2_config),
     _rotary("LlamaForCausalLM", "llama", "llama", _LLAMA_REFUSED),
     _rotary("Qwen2ForCausalLM", "qwen2", "qwen2", _QWEN2_REFUSED),
     _rotary("Qwen3ForCausalLM", "qwen3", "qwen3", _QWEN3_REFUSED),
+    _rotary("MistralForCausalLM", "mistral", "llama", _MISTRAL_REFUSED, windowed=True),
     _rotary("MixtralForCausalLM", "mixtral", "llama", _MIXTRAL_REFUSED, MIXTRAL_EXPERTS,
-            functools.partial(_expert_fields, family="llama", width="intermediate_size", renormalize=True),
-            functools.partial(_expert_config, width="intermediate_size")),
+            functools.partial(_expert_fields, family="llama", width="intermediate_size", renormalize=True,
+                              windowed=True),
+            functools.partial(_expert_config, width="intermediate_size"), windowed=True),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

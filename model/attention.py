@@ -38,20 +38,22 @@ def kernel(cfg: ModelConfig, backend: str) -> str:
   return "xla"
 
 
-def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None) -> jax.Array:
+def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 0) -> jax.Array:
   """Causal attention by the splash kernel (Pallas), for queries and keys that are one contiguous run.
 
   A Mosaic kernel is not partitioned automatically: the placement runs this
   per device (`Placement.per_device`) on its rows and heads. Off a TPU the kernel
   runs in Pallas' interpreter, which is how the CPU tests check its numbers.
   With `segments_BT` (packed documents) the kernel's own segment ids keep each
-  query within its document.
+  query within its document. With a `window` W > 0, its local mask keeps the
+  W - 1 keys before each query and the query's own.
   """
   t, heads, head_dim = q_BTNH.shape[1:]
   block = max((b for b in range(SPLASH_BLOCK, 4 * SPLASH_BLOCK + 1, SPLASH_BLOCK) if t % b == 0), default=t)
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t)) for _ in range(heads)])
+  one = splash_mask.LocalMask((t, t), (window - 1, 0), offset=0) if window else splash_mask.CausalMask((t, t))
+  mask = splash_mask.MultiHeadMask([one for _ in range(heads)])
   mha = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
                                interpret=jax.default_backend() != "tpu")
   group = heads // k_BTKH.shape[2]  # grouped-query: each key/value head serves `group` query heads
@@ -72,31 +74,40 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
   shard it. With `segments_BT` (packed documents, model.document_end) a query
   sees only keys of its own segment. With `cache` (decoding, model/kv_cache.py
   LayerCache) the new keys and values are written into the layer's cache and
-  the queries attend over all of it.
+  the queries attend over all of it. With `cfg.sliding_window` = W > 0 a query
+  sees only the W latest positions up to its own (Mistral's sliding window).
   """
-  placement = current()
+  placement, window = current(), cfg.sliding_window
   if cache is not None:
-    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block)
+    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, window)
   elif placement.attention is not None:
-    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block)
+    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block,
+                                   window=window)
   elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":  # parallel/checks.py keeps packing off it
-    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run.
-    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn")
+    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run; so is its
+    # window, (W - 1) keys before each query and none after.
+    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn",
+                                            local_window_size=(window - 1, 0) if window else None)
   elif chosen == "splash":  # causal by index too
     segments = () if segments_BT is None else (segments_BT,)
-    out_BTNH = placement.per_device(splash_attention, q_BTNH, k_BSKH, v_BSKH, *segments)
+    out_BTNH = placement.per_device(functools.partial(splash_attention, window=window), q_BTNH, k_BSKH, v_BSKH,
+                                    *segments)
   else:
     segments = None if segments_BT is None else (segments_BT, segments_BT)
     out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
-                                      segments)
+                                      segments, window)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 
-def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int, segments=None):
+def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int, segments=None,
+                        window: int = 0):
   """Attention in query and key blocks of at most `block` positions: (out, log-sum-exp of each row's scores).
 
   `segments`, if given, is (query segments [B, T], key segments [B, S]): a
-  query sees a key only of its own segment.
+  query sees a key only of its own segment. `window` W > 0: a query sees only
+  keys fewer than W positions before its own, and a key block wholly outside
+  every query's window (or wholly after it) is skipped by a branch, not scored
+  under a mask.
 
   A sequence no longer than `block` is one block (attention_block, differentiated
   by autodiff). A longer one runs flash attention's algorithm in plain JAX: an
@@ -108,8 +119,12 @@ def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, bl
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
   blocks = (largest_divisor(t, block), largest_divisor(s, block))
   if blocks == (t, s):
-    return attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
-  return _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
+    scored = lambda: attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, window)
+    if not window:
+      return scored()
+    return jax.lax.cond(_in_window(q_positions_T, k_positions_S, window), scored,
+                        lambda: _nothing_seen(q_BTNH, k_BSKH.shape[2], v_BSKH.dtype))
+  return _flash(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
 
 
 def largest_divisor(length: int, most: int) -> int:
@@ -136,28 +151,47 @@ def _segment_pair(q_segments, k_segments):
   return None if q_segments is None else (q_segments, k_segments)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
-  return _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
+def _nothing_seen(q_BTNH, kv_heads: int, dtype):
+  """(out, log-sum-exp) of rows that see no key: out 0 and the lowest log-sum-exp, which weighs nothing in a
+  merge; derived from the queries, so that shard_map's varying axes stay."""
+  b, t, n, _ = q_BTNH.shape
+  lse_BKGT = jnp.moveaxis(q_BTNH[..., 0].reshape(b, t, kv_heads, n // kv_heads), 1, -1).astype(jnp.float32)
+  return (q_BTNH * 0).astype(dtype), lse_BKGT * 0 + jnp.finfo(jnp.float32).min
 
 
-def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
+def _in_window(q_positions_T, k_positions_S, window: int):
+  """Whether any query of a block sees any key of another within a window W > 0: a key no later than the
+  last query and fewer than W positions before the first."""
+  return (k_positions_S.min() <= q_positions_T.max()) & (q_positions_T.min() - k_positions_S.max() < window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
+  return _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
+
+
+def _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
   q_block, k_block = blocks
   q_segments, k_segments = _split_segments(segments, blocks)
   key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block), k_segments)
 
   def one_query_block(query):
     q_bTNH, q_positions_bT, q_segments_Bb = query
+    score = lambda key: attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2],
+                                        _segment_pair(q_segments_Bb, key[3]), window)
 
     def visit(merged, key):
-      block = attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2], _segment_pair(q_segments_Bb, key[3]))
-      return merge_blocks(merged, block), None
+      if not window:
+        return merge_blocks(merged, score(key)), None
+      return jax.lax.cond(_in_window(q_positions_bT, key[2], window), lambda: merge_blocks(merged, score(key)),
+                          lambda: merged), None
 
-    # The first key block starts the running result (a zero start would lose shard_map's varying axes).
-    first_key, other_keys = jax.tree.map(lambda x: x[0], key_blocks), jax.tree.map(lambda x: x[1:], key_blocks)
-    first = attention_block(q_bTNH, *first_key[:2], q_positions_bT, first_key[2],
-                            _segment_pair(q_segments_Bb, first_key[3]))
-    merged, _ = jax.lax.scan(visit, (first[0].astype(jnp.float32), first[1]), other_keys)
+    if window:  # any key block may lie outside the window: start from rows that have seen nothing
+      start, keys = _nothing_seen(q_bTNH, key_blocks[0].shape[3], jnp.float32), key_blocks
+    else:  # the first key block starts the running result (a zero start would lose shard_map's varying axes)
+      first = score(jax.tree.map(lambda x: x[0], key_blocks))
+      start, keys = (first[0].astype(jnp.float32), first[1]), jax.tree.map(lambda x: x[1:], key_blocks)
+    merged, _ = jax.lax.scan(visit, start, keys)
     return merged
 
   out_qBTNH, lse_qBKGT = jax.lax.map(
@@ -167,27 +201,28 @@ def _flash_forward(blocks, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S,
   return (out_BTNH, lse_BKGT), (q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT)
 
 
-def _flash_backward(blocks, saved, cotangents):
+def _flash_backward(blocks, window, saved, cotangents):
   q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT = saved
   d_q_BTNH, d_k_BSKH, d_v_BSKH = _block_gradients(
-      blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S), segments)
+      blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S), segments,
+      window)
   return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype), d_v_BSKH.astype(v_BSKH.dtype), None, None,
           None)
 
 
-def flash_gradients(block: int, rows, keys, segments=None):
+def flash_gradients(block: int, rows, keys, segments=None, window: int = 0):
   """Float32 (dQ, dK, dV) of queries against some of the keys they attend to, in blocks of at most `block`.
 
   `rows` = (q, q positions, out, log-sum-exp, dOut, dLse): the queries, their whole attention's
   output and log-sum-exp (over every key, not only these) and those outputs' cotangents;
-  `keys` = (k, v, k positions); `segments` as blockwise_attention's. Ring attention sums these over
-  the blocks of keys it visits.
+  `keys` = (k, v, k positions); `segments` and `window` as blockwise_attention's. Ring attention sums
+  these over the blocks of keys it visits.
   """
   blocks = (largest_divisor(rows[0].shape[1], block), largest_divisor(keys[0].shape[1], block))
-  return _block_gradients(blocks, rows, keys, segments)
+  return _block_gradients(blocks, rows, keys, segments, window)
 
 
-def _block_gradients(blocks, rows, keys, segments=None):
+def _block_gradients(blocks, rows, keys, segments=None, window: int = 0):
   """Flash attention's backward: per block, p = exp(s - lse), then dV, dP, dS = p (dP - D) and dQ, dK.
 
   D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p.
@@ -210,9 +245,16 @@ def _block_gradients(blocks, rows, keys, segments=None):
     q_bTKGH, d_out_bTKGH = grouped(q_bTNH), grouped(d_out_bTNH)
 
     def visit(d_q_bTKGH, key):
+      if not window:
+        return score(d_q_bTKGH, key)
+      zeros = lambda: (d_q_bTKGH, (key[0].astype(jnp.float32) * 0, key[1].astype(jnp.float32) * 0))
+      return jax.lax.cond(_in_window(q_positions_bT, key[2], window), lambda: score(d_q_bTKGH, key), zeros)
+
+    def score(d_q_bTKGH, key):
       k_bSKH, v_bSKH, k_positions_bS, k_segments_BS = key
       logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
-      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS, _segment_pair(q_segments_Bb, k_segments_BS))
+      visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS, _segment_pair(q_segments_Bb, k_segments_BS),
+                            window)
       probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
       d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
       d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)
@@ -252,9 +294,10 @@ def merge_blocks(a, b):
   return out_BTNH, lse_BKGT
 
 
-def _visible(logits_BKGTS, q_positions_T, k_positions_S, segments=None):
-  """The causal mask of one block: which keys each query sees, by token position ([T, S]), and with
-  `segments` (query [B, T], key [B, S]) only within its own segment ([B, 1, 1, T, S]).
+def _visible(logits_BKGTS, q_positions_T, k_positions_S, segments=None, window: int = 0):
+  """The causal mask of one block: which keys each query sees, by token position ([T, S]), within a `window`
+  W > 0 only the keys fewer than W positions before it, and with `segments` (query [B, T], key [B, S]) only
+  within its own segment ([B, 1, 1, T, S]).
 
   Computed after the block's logits (an optimization barrier ties the two):
   the mask depends on positions alone, and XLA would otherwise hoist it out of
@@ -263,13 +306,15 @@ def _visible(logits_BKGTS, q_positions_T, k_positions_S, segments=None):
   _, q_positions_T, k_positions_S, segments = jax.lax.optimization_barrier(
       (logits_BKGTS, q_positions_T, k_positions_S, segments))
   causal_TS = k_positions_S[None, :] <= q_positions_T[:, None]
+  if window:
+    causal_TS &= q_positions_T[:, None] - k_positions_S[None, :] < window
   if segments is None:
     return causal_TS
   same_BTS = segments[0][:, :, None] == segments[1][:, None, :]
   return (causal_TS & same_BTS)[:, None, None]
 
 
-def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments=None):
+def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments=None, window: int = 0):
   """Normalised attention of one query block over one key block: (out, log-sum-exp of each row's scores).
 
   The log-sum-exp lets blocks over other keys merge in (merge_blocks). A row
@@ -281,7 +326,7 @@ def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segmen
   q_BTKGH = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
   logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
   logits_BKGTS = logits_BKGTS * (h ** -0.5)
-  visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S, segments)
+  visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S, segments, window)
   logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   max_BKGT = logits_BKGTS.max(-1)
   exp_BKGTS = jnp.where(visible_TS, jnp.exp(logits_BKGTS - max_BKGT[..., None]), 0.0)

@@ -49,6 +49,7 @@ class ModelConfig:
   recompute_activation: bool = False  # GELU / SiLU recomputed from their inputs in the backward pass
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
+  sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
   # plan() sets it under hybrid sharding: look tokens up in the table with its `embed` axis gathered
@@ -146,6 +147,9 @@ class ModelConfig:
     for field in ("attention_block", "loss_chunk"):
       if getattr(self, field) < 1:
         raise ValueError(f"model.{field}={getattr(self, field)} must be a positive number of positions.")
+    if self.sliding_window < 0:
+      raise ValueError(f"model.sliding_window={self.sliding_window} must be a number of positions, or 0 for "
+                       "attention over the whole causal context.")
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):

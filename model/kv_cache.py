@@ -39,13 +39,14 @@ class LayerCache:
   def __init__(self, k_BSKH, v_BSKH):
     self.k_BSKH, self.v_BSKH = k_BSKH, v_BSKH
 
-  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int):
-    """Write the new keys and values at their contiguous `positions_T`, then attend over the whole cache."""
+  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0):
+    """Write the new keys and values at their contiguous `positions_T`, then attend over the whole cache (within
+    a sliding `window`, if W > 0: the cache still holds every position, the mask keeps the last W)."""
     write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
         cache, new.astype(cache.dtype), positions_T[0], axis=1), CACHE_AXES)
     self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
     out_BTNH, _ = blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T,
-                                      jnp.arange(self.k_BSKH.shape[1]), block)
+                                      jnp.arange(self.k_BSKH.shape[1]), block, window=window)
     return out_BTNH
 
 

@@ -73,10 +73,10 @@ def _attend(body, mesh, axes: tuple, rows: P, positions: P):
   before every collective over `sequence` (tensor x the bytes, and an all-gather of their own)."""
   heads = P(*rows, TENSOR)
 
-  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
     inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
     in_specs = (heads, heads, heads, positions, rows)[:len(inputs)]
-    return jax.shard_map(functools.partial(body, block=block), mesh=mesh, in_specs=in_specs, out_specs=heads,
+    return jax.shard_map(functools.partial(body, block=block, window=window), mesh=mesh, in_specs=in_specs, out_specs=heads,
                          axis_names={*axes, TENSOR})(*inputs)
 
   return attend
@@ -119,38 +119,39 @@ def _pair(q_segments_BT, k_segments_BS):
   return None if q_segments_BT is None else (q_segments_BT, k_segments_BS)
 
 
-def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
   segments = None if segments_BT is None else (segments_BT, _gather(segments_BT, 1))
   out_BTNH, _ = blockwise_attention(q_BTNH, _gather(k_BTKH, 1), _gather(v_BTKH, 1), positions_T,
-                                    _gather(positions_T, 0), block, segments)
+                                    _gather(positions_T, 0), block, segments, window)
   return out_BTNH
 
 
-def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
-  out_BTNH, _ = _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)
+def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
+  out_BTNH, _ = _ring_attention((block, window), q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)
   return out_BTNH
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
-  return _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)[0]
+def _ring_attention(kernel, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
+  return _ring_forward(kernel, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)[0]
 
 
-def _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
+def _ring_forward(kernel, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
   """Each K/V block visits every device once; its queries merge what they see by log-sum-exp.
 
   Saves only this device's Q, K, V, output and log-sum-exp, as flash attention does: the
   backward pass sends the blocks round again rather than keep S - 1 visitors' worth. A visiting
-  block carries its keys' segment ids (None without packing).
+  block carries its keys' segment ids (None without packing). `kernel` is (block, window) as
+  blockwise_attention takes them.
   """
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
-  first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, block,
-                              _pair(segments_BT, segments_BT))
+  first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, kernel[0],
+                              _pair(segments_BT, segments_BT), kernel[1])
 
   def hop(carry, hop):  # a scan, not a Python loop, so one visitor's buffers live at a time
     merged, kv_block = carry
     kv_block = jax.lax.ppermute(kv_block, SEQUENCE, _next(shards))
-    visit = _visit(q_BTNH, *kv_block, positions_T, segments_BT, block, me < hop)
+    visit = _visit(q_BTNH, *kv_block, positions_T, segments_BT, kernel, me < hop)
     return (merge_blocks(merged, visit), kv_block), None
 
   start = ((first[0].astype(jnp.float32), first[1]), (k_BTKH, v_BTKH, positions_T, segments_BT))
@@ -159,21 +160,21 @@ def _ring_forward(block, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
   return (out_BTNH, lse_BKGT), (q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT, out_BTNH, lse_BKGT)
 
 
-def _ring_backward(block, saved, cotangents):
+def _ring_backward(kernel, saved, cotangents):
   """Ring attention's backward: each K/V block goes round again, carrying the gradients of its keys and
   values, to which every device adds its queries' share (flash attention's backward against this
   device's saved output and log-sum-exp); one last hop brings them home."""
   q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT, out_BTNH, lse_BKGT = saved
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
   rows = (q_BTNH, positions_T, out_BTNH, lse_BKGT, *cotangents)
-  d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(block, rows, (k_BTKH, v_BTKH, positions_T),
-                                                 _pair(segments_BT, segments_BT))
+  d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(kernel[0], rows, (k_BTKH, v_BTKH, positions_T),
+                                                 _pair(segments_BT, segments_BT), kernel[1])
 
   def hop(carry, hop):
     d_q_BTNH, (keys, k_segments_BT, d_k_BTKH, d_v_BTKH) = carry
     keys, k_segments_BT, d_k_BTKH, d_v_BTKH = jax.lax.ppermute(
         (keys, k_segments_BT, d_k_BTKH, d_v_BTKH), SEQUENCE, _next(shards))
-    d_q, d_k, d_v = _visit_gradients(rows, keys, segments_BT, k_segments_BT, block, me < hop)
+    d_q, d_k, d_v = _visit_gradients(rows, keys, segments_BT, k_segments_BT, kernel, me < hop)
     return (d_q_BTNH + d_q, (keys, k_segments_BT, d_k_BTKH + d_k, d_v_BTKH + d_v)), None
 
   start = (d_q_BTNH, ((k_BTKH, v_BTKH, positions_T), segments_BT, d_k_BTKH, d_v_BTKH))
@@ -189,7 +190,7 @@ def _next(shards: int):
   return [(i, (i + 1) % shards) for i in range(shards)]
 
 
-def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, q_segments_BT, block, from_later):
+def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, q_segments_BT, kernel, from_later):
   """One visiting K/V block's share of the zig-zag ring: half the scores of a full block, none masked out.
 
   Device i holds chunks i and 2S-1-i (halves 1 and 2 below); the visitor j holds j and 2S-1-j.
@@ -200,12 +201,13 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, 
   """
   half, _, take = _halves(q_BTNH, from_later)
   packed = q_segments_BT is not None
+  block, window = kernel
   always = blockwise_attention(q_BTNH[:, half:], k_BTKH[:, :half], v_BTKH[:, :half], q_positions_T[half:],
                                k_positions_T[:half], block,
-                               _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None)
+                               _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window)
   picked = blockwise_attention(take(q_BTNH), take(k_BTKH), take(v_BTKH), take(q_positions_T, 0),
                                take(k_positions_T, 0), block,
-                               _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None)
+                               _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window)
   # A row that sees nothing: out 0 and the lowest log-sum-exp, so it weighs nothing in a merge.
   unseen = (picked[0] * 0, picked[1] * 0 + jnp.finfo(jnp.float32).min)
   pick = lambda use: jax.tree.map(lambda a, b: jnp.where(use, a, b), picked, unseen)
@@ -215,7 +217,7 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, 
           jnp.concatenate([first_lse, second_lse], axis=-1))
 
 
-def _visit_gradients(rows, kv_block, q_segments_BT, k_segments_BT, block, from_later):
+def _visit_gradients(rows, kv_block, q_segments_BT, k_segments_BT, kernel, from_later):
   """`_visit`'s two quarter-blocks differentiated: float32 (dQ, dK, dV) of this device's rows and the
   visitor's block."""
   half, start, take = _halves(rows[0], from_later)
@@ -223,13 +225,13 @@ def _visit_gradients(rows, kv_block, q_segments_BT, k_segments_BT, block, from_l
   row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)
   part = lambda xs, axes, begin: [jax.lax.slice_in_dim(x, begin, begin + half, axis=a % x.ndim)
                                   for x, a in zip(xs, axes)]
-  packed = q_segments_BT is not None
+  packed, (block, window) = q_segments_BT is not None, kernel
   # Local half 2 against the visitor's half 1, always; the picked pair by the same dynamic slice as forward.
   always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0),
-                           _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None)
+                           _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window)
   picked = flash_gradients(block, [take(x, a) for x, a in zip(rows, row_axes)],
                            [take(x, a) for x, a in zip(kv_block, kv_axes)],
-                           _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None)
+                           _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window)
   add_picked = lambda whole, add: jax.lax.dynamic_update_slice_in_dim(
       whole, jax.lax.dynamic_slice_in_dim(whole, start, half, 1) + add, start, 1)
   zeros = lambda x: x.astype(jnp.float32) * 0  # from the inputs, so it keeps their varying axes
@@ -246,13 +248,13 @@ def _halves(q_BTNH, from_later):
   return half, start, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
 
 
-def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block):
+def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
   to_heads = lambda x: jax.lax.all_to_all(x, SEQUENCE, split_axis=2, concat_axis=1, tiled=True)
   positions_all = _gather(positions_T, 0)
   # Every head of a row shares the row's segments: gathered whole, as the positions are.
   segments_all = None if segments_BT is None else _gather(segments_BT, 1)
   out_BTnH, _ = blockwise_attention(to_heads(q_BTNH), to_heads(k_BTKH), to_heads(v_BTKH),
-                                    positions_all, positions_all, block, _pair(segments_all, segments_all))
+                                    positions_all, positions_all, block, _pair(segments_all, segments_all), window)
   return jax.lax.all_to_all(out_BTnH, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
 
 

@@ -4,7 +4,7 @@
 
 JOBS.json is a list of jobs, run in order in one process (torch and
 transformers take seconds to import, so the tests batch their questions):
-  {"make": "gpt2" | "llama" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe", "dir": D, "config": {...}, "seed": S, "save": {...}}
+  {"make": "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral" | "mixtral" | "qwen3_moe", "dir": D, "config": {...}, "seed": S, "save": {...}}
       a model with every weight random (norms and biases too), save_pretrained(D, **save)
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
@@ -26,6 +26,7 @@ CLASSES = {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
 

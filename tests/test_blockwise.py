@@ -51,9 +51,11 @@ def test_a_plan_makes_auto_attention_concrete(overrides, shape, platform, expect
   assert attention_kernel(model_config(tiny_config(**overrides)), mesh, platform) == expected
 
 
-# One device, and a sharded mesh with packed documents (the unpacked sharded case added nothing either lacks).
+# One device, a sharded mesh with packed documents (the unpacked sharded case added nothing either lacks), and
+# a sliding window of 40 of the 128 positions (splash's local mask).
 @pytest.mark.parametrize("mesh, packed", [({"mesh.data": 1}, {}),
-                                          ({"mesh.data": 4, "mesh.tensor": 2}, {"model.document_end": 10})])
+                                          ({"mesh.data": 4, "mesh.tensor": 2}, {"model.document_end": 10}),
+                                          ({"mesh.data": 1}, {"model.sliding_window": 40})])
 def test_splash_attention_equals_the_xla_kernel(mesh, packed):
   # Off a TPU the splash kernel runs in Pallas' interpreter, per device through parallel/context.py per_device.
   # Packed documents (the built-in corpus's lines, ended by a newline) go in as the kernel's segment ids.

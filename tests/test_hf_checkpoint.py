@@ -55,6 +55,8 @@ MODELS = {
     # Qwen2.5's small models tie their head; Qwen3's heads are wider than hidden_size / heads (24, not 16).
     "qwen2": ("qwen2", dict(LLAMA_SHAPE, rope_theta=1e6, tie_word_embeddings=True), {}),
     "qwen3": ("qwen3", dict(LLAMA_SHAPE, rope_theta=1e6, head_dim=24), {}),
+    # Mistral's sliding window of 4 positions, over 16 tokens.
+    "mistral": ("mistral", dict(LLAMA_SHAPE, sliding_window=4), {}),
     # Mixtral renormalises its top-2 router weights; this Qwen3-MoE keeps the softmax's (norm_topk_prob False).
     "mixtral": ("mixtral", dict(LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2), {}),
     "qwen3_moe": ("qwen3_moe", dict(LLAMA_SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2,
@@ -62,6 +64,7 @@ MODELS = {
 }
 # Beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds: name -> the mesh to train on.
 FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 2, "mesh.tensor": 2},
+            "mistral": {"mesh.data": 2, "mesh.tensor": 2},
             "mixtral": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
@@ -237,7 +240,7 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   directory = copy_with(reference / "gpt2", tmp_path / "bert", config={"architectures": ["BertForMaskedLM"]})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
-          "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM checkpoints")
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
@@ -264,16 +267,15 @@ def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   windowed = copy_with(reference / "qwen2", tmp_path / "windowed", config={"use_sliding_window": True})
   refused(tiny_config(init_from=f"hf:{windowed}", workdir=str(tmp_path / "run")),
           "sets use_sliding_window=True, but meshlm computes attention over the whole causal context")
-  mistral_window = copy_with(reference / "mixtral", tmp_path / "mixtral_window", config={"sliding_window": 4096})
-  refused(tiny_config(init_from=f"hf:{mistral_window}", workdir=str(tmp_path / "run")),
-          "sets sliding_window=4096, but meshlm computes attention over the whole causal context")
   sparse = copy_with(reference / "qwen3_moe", tmp_path / "sparse", config={"decoder_sparse_step": 2})
   refused(tiny_config(init_from=f"hf:{sparse}", workdir=str(tmp_path / "run")),
           "sets decoder_sparse_step=2, but meshlm computes every feed-forward layer a mixture of experts")
 
 
 @pytest.mark.parametrize("overrides, says", [
-    ({"moe.experts": 4}, r"^meshlm's gpt2 with moe.experts=4 has no Hugging Face architecture; export a dense model"),
+    ({"moe.experts": 4}, r"^meshlm's gpt2 with moe.experts=4 and model.sliding_window=0 has no Hugging Face "
+                         r"architecture; export a llama"),
+    ({"model.sliding_window": 8}, r"^meshlm's gpt2 with moe.experts=0 and model.sliding_window=8 has no Hugging Face"),
     ({"model.family": "llama", "moe.experts": 4, "moe.every": 2},
      r"^moe.every=2: MixtralForCausalLM makes every feed-forward layer a mixture of experts"),
     ({"model.family": "llama", "moe.experts": 4, "moe.renormalize": False},

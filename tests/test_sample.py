@@ -16,6 +16,8 @@ from training.state import init_state, plan
 
 PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
 FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
+            # 19 tokens through a window of 4: the cache's mask keeps each query's last 4 positions.
+            "llama window": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2}}
