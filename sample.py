@@ -22,25 +22,14 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Continuations of the prom
 _MESH = flags.DEFINE_string("mesh", "", "Axis sizes like data=2,tensor=4 (others 1); default the run's mesh.")
 
 
-def mesh_override(text: str) -> dict:
-  """`data=2,tensor=4` as mesh sizes, every axis not named set to 1."""
-  from parallel.mesh import AXES
-  sizes = dict.fromkeys(AXES, 1)
-  for item in text.split(","):
-    axis, _, size = item.partition("=")
-    if axis not in AXES or not size.lstrip("-").isdigit():
-      raise ValueError(f"--mesh item {item!r} is not axis=size with an axis among {', '.join(AXES)}.")
-    sizes[axis] = int(size)
-  return sizes
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   # Imported after flag parsing, like train.py: jax reads its flags when first imported.
+  from parallel.mesh import mesh_sizes
   from training.sample import encode_prompt, from_checkpoint, generate
   try:
-    mesh = mesh_override(_MESH.value) if _MESH.value else None
+    mesh = mesh_sizes(_MESH.value) if _MESH.value else None
     config, layout, params, tokenizer, step = from_checkpoint(_WORKDIR.value, _STEP.value, mesh)
     text = config.sample_prompt if _PROMPT.value is None else _PROMPT.value
     prompt = encode_prompt(tokenizer, text)

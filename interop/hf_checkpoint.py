@@ -39,8 +39,8 @@ RESAVE = "load the model in transformers and save_pretrained it again"  # what m
 class HFCheckpoint:
   """A Hugging Face checkpoint directory whose config meshlm can run and whose tensors it has checked."""
 
-  def __init__(self, directory: Path, fields: dict, tied: bool, files: dict, shapes: dict):
-    self.directory, self.fields, self.tied = directory, fields, tied
+  def __init__(self, directory: Path, fields: dict, tied: bool, files: dict, shapes: dict, context: int):
+    self.directory, self.fields, self.tied, self.context = directory, fields, tied, context
     self.files, self.shapes = files, shapes  # tensor name -> its safetensors file, its shape
 
   def configure(self, config) -> None:
@@ -116,7 +116,8 @@ def open_checkpoint(path: str) -> HFCheckpoint:
   if not config_file.is_file():
     raise ValueError(f"{directory} holds no config.json; give a directory written by transformers' "
                      "save_pretrained.")
-  fields, tied = hf_mapping.model_fields(_json_object(config_file), str(config_file))
+  hf = _json_object(config_file)
+  fields, tied = hf_mapping.model_fields(hf, str(config_file))
   files = _tensor_files(directory)
   shapes = {}
   for file in sorted(set(files.values())):
@@ -126,7 +127,9 @@ def open_checkpoint(path: str) -> HFCheckpoint:
       raise ValueError(f"{directory / WEIGHTS_INDEX} puts {stray} in {file}, which does not hold it; "
                        f"{RESAVE}.")
     shapes.update(held)
-  return HFCheckpoint(directory, fields, tied, files, shapes)
+  # The positions it was trained to attend over, which evaluation takes as its length (interop/harness.py).
+  context = hf.get("max_position_embeddings") or hf.get("n_positions") or 0
+  return HFCheckpoint(directory, fields, tied, files, shapes, context)
 
 
 def _json_object(file: Path) -> dict:

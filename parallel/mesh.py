@@ -17,6 +17,17 @@ AXES = (DATA, PIPELINE, EXPERT, SEQUENCE, TENSOR)
 SLOW_TIER_AXES = (DATA, PIPELINE)
 
 
+def mesh_sizes(text: str) -> dict[str, int]:
+  """A command line's `data=2,tensor=4` as mesh sizes, every axis not named set to 1 (sample.py, tools/evaluate.py)."""
+  sizes = dict.fromkeys(AXES, 1)
+  for item in text.split(","):
+    axis, _, size = item.partition("=")
+    if axis not in AXES or not size.lstrip("-").isdigit():
+      raise ValueError(f"--mesh item {item!r} is not axis=size with an axis among {', '.join(AXES)}.")
+    sizes[axis] = int(size)
+  return sizes
+
+
 def mesh_shape(mesh_config, device_count: int) -> dict[str, int]:
   """Axis sizes with the single `-1` (if any) filled by the devices left over."""
   sizes = {axis: int(mesh_config[axis]) for axis in AXES}

@@ -10,6 +10,8 @@ transformers take seconds to import, so the tests batch their questions):
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
       transformers' own causal-LM loss with `targets` as the shifted labels
   {"chat": D, "conversations": [...], "out": O.json}   apply_chat_template's text and ids of each conversation
+  {"harness": D, "tasks": [...], "include_path": P, "max_length": L, "out": O.json}
+      lm-evaluation-harness's own Hugging Face class on D: each task's metrics and each document's responses
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
                                                          and rotary settings),
                                                          and D2's dropout rates
@@ -98,7 +100,21 @@ def chat(job):
                for messages in job["conversations"]], f)
 
 
-JOBS = {"make": make, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize, "chat": chat}
+def harness(job):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  results = lm_eval.simple_evaluate(
+      model="hf", model_args={"pretrained": job["harness"], "dtype": "float32", "attn_implementation": "eager",
+                              "max_length": job["max_length"]},
+      tasks=job["tasks"], task_manager=TaskManager(include_path=job["include_path"]), log_samples=True,
+      batch_size=4, device="cpu")
+  with open(job["out"], "w") as f:
+    json.dump({"results": results["results"],
+               "samples": {task: [[s["doc_id"], s["resps"]] for s in samples]
+                           for task, samples in results["samples"].items()}}, f, default=float)
+
+
+JOBS = {"make": make, "harness": harness, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":
   torch.set_num_threads(1)  # the tests run beside XLA on a small machine

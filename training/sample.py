@@ -112,8 +112,9 @@ def generate(layout: Layout, params, prompt_ids, *, num_tokens: int, temperature
   return tokens_BN[:num_samples]
 
 
-def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None):
-  """(config, layout, params, tokenizer, step) of a saved run, on `mesh_sizes` or the run's own mesh."""
+def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None, compute: str | None = None):
+  """(config, layout, params, tokenizer, step) of a saved run, on `mesh_sizes` or the run's own mesh, computing
+  in `compute` or the run's own precision."""
   checkpoints = Checkpoints(workdir, every=0, keep=None)
   try:
     steps = checkpoints.steps()
@@ -126,6 +127,7 @@ def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None
     config.update(checkpoints.stored_config(step))
     if mesh_sizes:
       config.mesh.update(mesh_sizes)
+    config.precision.compute = compute or config.precision.compute
     layout = plan(config)
     params = checkpoints.restore_params(step, abstract_inputs(layout, config)[0]["params"])
   finally:
