@@ -85,15 +85,22 @@ class HfTokenizer:
                        "give the tokenizer.json that Tokenizer.save or save_pretrained writes.") from None
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
     self.end_of_text = self._end_of_text()
+    bos = self._named_token("bos_token")  # the beginning-of-sequence token, where the tokenizer has one
+    self.begin_of_text = None if bos is None else self._tokenizer.token_to_id(bos)
+    self.special_ids = frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
 
-  def _end_of_text(self) -> int:
+  def _named_token(self, field: str) -> str | None:
+    """tokenizer_config.json's `field` (a token's text), or None."""
     config_file = self.folder / "tokenizer_config.json"
     try:
-      eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+      token = json.loads(config_file.read_text()).get(field) if config_file.is_file() else None
     except (ValueError, AttributeError) as error:  # not JSON, or not an object
       raise ValueError(f"tokenizer {self.name}: {config_file} is not a JSON object ({error}); give the "
                        "tokenizer_config.json that save_pretrained writes.") from None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return token.get("content") if isinstance(token, dict) else token
+
+  def _end_of_text(self) -> int:
+    eos = self._named_token("eos_token")
     for token in ([eos] if eos else []) + list(self.END_OF_TEXT):
       if (token_id := self._tokenizer.token_to_id(token)) is not None:
         return token_id

@@ -3,13 +3,14 @@
 `MeshlmLM` answers the harness's three kinds of request on the sharded model, as its own Hugging Face
 class (`lm_eval.models.huggingface.HFLM`) answers them, so that a task scores the same through either:
 - loglikelihood: the harness's `TemplateLM` encodes each (context, continuation) pair (trailing spaces
-  moved onto the continuation, the whole encoded and split; an empty context becomes the end-of-text
-  token), and the continuation's summed log-probability and whether greedy decoding would give it are
+  moved onto the continuation, the whole encoded and split; an empty context becomes the beginning-of-sequence
+  token, or the end-of-text where the tokenizer has none), and the continuation's summed log-probability and whether greedy decoding would give it are
   read off one forward pass of context + continuation, truncated on the left to the model's length;
 - loglikelihood_rolling: a text's disjoint rolling windows of the model's length (the harness's
   `get_rolling_token_windows`), each scored as a continuation;
 - generate_until: the context (truncated to leave room for `max_gen_toks`) continued by meshlm's
-  KV-cache sampler, greedily unless `do_sample`, cut at the first `until` string or end-of-text.
+  KV-cache sampler, greedily unless `do_sample`, decoded without special tokens and cut at the first `until`
+  string or end-of-text.
 Requests run in batches of `batch_size` sorted longest first (the harness's order), right-padded to one
 length per batch (a power of two, so few lengths compile); causal attention keeps padding out of every
 scored position. Rows are laid out over the mesh as a training batch is.
@@ -59,6 +60,13 @@ class MeshlmLM(TemplateLM):
     return self.text_tokenizer.end_of_text
 
   @property
+  def prefix_token_id(self) -> int:
+    """What an empty context becomes: the tokenizer's beginning-of-sequence token, else its end-of-text (HFLM's
+    choice)."""
+    begin = getattr(self.text_tokenizer, "begin_of_text", None)
+    return self.eot_token_id if begin is None else begin
+
+  @property
   def max_length(self) -> int:
     return self.layout.model.max_len
 
@@ -66,8 +74,11 @@ class MeshlmLM(TemplateLM):
     del add_special_tokens, kwargs  # meshlm's tokenizers add none, as HFLM asks of causal models
     return self.text_tokenizer.encode(string).tolist()
 
-  def tok_decode(self, tokens) -> str:
-    return self.text_tokenizer.decode(tokens)
+  def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+    """As the harness's Hugging Face class decodes: special tokens left out unless asked for, and ids that are
+    no token (a vocabulary padded past the tokenizer's) dropped, as the tokenizers library drops them."""
+    special = getattr(self.text_tokenizer, "special_ids", frozenset()) if skip_special_tokens else frozenset()
+    return self.text_tokenizer.decode([t for t in tokens if t < self.text_tokenizer.vocab_size and t not in special])
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
     """(summed log-probability, greedy) of each ((context, continuation), context ids, continuation ids)."""
@@ -110,7 +121,8 @@ class MeshlmLM(TemplateLM):
     answers = []
     for context, options in (request.args for request in requests):
       until = options.get("until") or []
-      until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
+      until = ([until] if isinstance(until, str) else list(until)) + [
+          self.tok_decode([self.eot_token_id], skip_special_tokens=False)]
       most = options.get("max_gen_toks", 256)
       prompt = self.tok_encode(context)[-max(1, self.max_length - most):]
       sampled = options.get("do_sample", False) and options.get("temperature", 1.0) > 0

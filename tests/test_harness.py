@@ -82,16 +82,21 @@ def checkpoints(tmp_path_factory):
   bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   bpe.decoder = decoders.ByteLevel()
   bpe.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
-      vocab_size=300, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+      vocab_size=290, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   (where / "tasks").mkdir()
   write_tasks(where / "tasks")
   run_reference([{"make": family, "dir": str(where / name), "config": config, "seed": i, "save": {}}
                  for i, (name, (family, config)) in enumerate(MODELS.items())], where)
   jobs = []
   for name in MODELS:
+    # The Llama's tokenizer names a beginning-of-sequence token, which both classes put before a text's first
+    # rolling window; GPT-2's names none, and the end-of-text goes there. Both vocabularies are larger than
+    # the tokenizer's, so the random models also generate ids that are no token.
+    bos = {"bos_token": "<s>"} if name == "llama" else {}
+    bpe.add_special_tokens(["<s>"])  # in both, and special: a generated one is left out of the answer
     bpe.save(str(where / name / "tokenizer.json"))
     (where / name / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": END, "tokenizer_class": "PreTrainedTokenizerFast"}))
+        {"eos_token": END, "tokenizer_class": "PreTrainedTokenizerFast", **bos}))
     jobs.append({"harness": str(where / name), "tasks": list(TASKS), "include_path": str(where / "tasks"),
                  "max_length": MAX_LEN, "out": str(where / f"{name}.json")})
   run_reference(jobs, where)
