@@ -8,6 +8,12 @@ MLPs) one layer at a time, each called with a LayerCache that its attention
 writes the new keys and values into at their positions before attending over
 the whole cache; slots not yet written hold later positions than any query, so
 the causal mask already hides them.
+
+With a sliding window of W positions (model.sliding_window) no query looks
+further back than W - 1 positions, so the cache is a rolling buffer of W slots
+rather than max_len: position p lives in slot p mod W, the new tokens attend
+over the buffer as it was (each slot at the latest position it holds) and over
+themselves, and then their last W overwrite the slots of the positions W before.
 """
 
 import jax
@@ -22,9 +28,14 @@ from model.transformer import ACTIVATION_AXES, MoeUnit
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
+def cache_length(cfg: ModelConfig) -> int:
+  """Slots per layer: max_len, or a rolling buffer of the sliding window's W positions where it is shorter."""
+  return min(cfg.max_len, cfg.sliding_window) if cfg.sliding_window else cfg.max_len
+
+
 def init_cache(cfg: ModelConfig, batch: int) -> dict:
   """Empty keys and values for `batch` sequences of up to max_len tokens, per layer."""
-  shape_UlBSKH = (cfg.num_units, cfg.layers_per_unit, batch, cfg.max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape_UlBSKH = (cfg.num_units, cfg.layers_per_unit, batch, cache_length(cfg), cfg.num_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape_UlBSKH, cfg.dtype), "v": jnp.zeros(shape_UlBSKH, cfg.dtype)}
 
 
@@ -41,12 +52,31 @@ class LayerCache:
 
   def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0):
     """Write the new keys and values at their contiguous `positions_T`, then attend over the whole cache (within
-    a sliding `window`, if W > 0: the cache still holds every position, the mask keeps the last W)."""
+    a sliding `window` W > 0, over the rolling buffer and the new tokens)."""
+    slots = self.k_BSKH.shape[1]
+    if window and slots == window:
+      return self._attend_rolling(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block, window)
     write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
         cache, new.astype(cache.dtype), positions_T[0], axis=1), CACHE_AXES)
     self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
-    out_BTNH, _ = blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T,
-                                      jnp.arange(self.k_BSKH.shape[1]), block, window=window)
+    out_BTNH, _ = blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T, jnp.arange(slots), block,
+                                      window=window)
+    return out_BTNH
+
+  def _attend_rolling(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int):
+    start = positions_T[0]
+    # Slot s holds the latest position before `start` that is s mod W; one never written (negative) is moved
+    # past every query, where the causal mask hides it.
+    slot_S = jnp.arange(window)
+    held_S = start - 1 - jnp.mod(start - 1 - slot_S, window)
+    held_S = jnp.where(held_S < 0, jnp.iinfo(jnp.int32).max, held_S)
+    both = lambda cache, new: jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
+    out_BTNH, _ = blockwise_attention(q_BTNH, both(self.k_BSKH, new_k_BTKH), both(self.v_BSKH, new_v_BTKH),
+                                      positions_T, jnp.concatenate([held_S, positions_T]), block, window=window)
+    last = min(window, positions_T.shape[0])  # the new tokens a later query can still see
+    write = lambda cache, new: constrain(cache.at[:, jnp.mod(positions_T[-last:], window)].set(
+        new[:, -last:].astype(cache.dtype)), CACHE_AXES)
+    self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
     return out_BTNH
 
 

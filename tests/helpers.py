@@ -231,3 +231,18 @@ def qkv(t, s, heads=4, kv_heads=2, head_dim=8, seed=0):
   return (jax.random.normal(keys[0], (2, t, heads, head_dim)),
           jax.random.normal(keys[1], (2, s, kv_heads, head_dim)),
           jax.random.normal(keys[2], (2, s, kv_heads, head_dim)))
+
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def byte_level_bpe(texts: list, vocab_size: int):
+  """A byte-level BPE (a `tokenizers.Tokenizer`) of at most `vocab_size` tokens trained on `texts`, with
+  <|endoftext|> as its one special token, as GPT-2's and Llama 3's tokenizers are built."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # the `hf` extra
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return bpe

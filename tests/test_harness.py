@@ -16,9 +16,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helpers import ROOT, run_reference
+from helpers import END_OF_TEXT, ROOT, byte_level_bpe, run_reference
 from input_pipeline import data
 from interop.harness import MeshlmLM, from_hf, split_perplexity
 from tools import prepare
@@ -27,7 +26,6 @@ from training.checkpoint import Checkpoints
 from training.state import state_from_params
 from training.step import make_eval_step
 
-END = "<|endoftext|>"
 WORDS = "the mesh trains the model on every device and the model learns the words of the mesh".split()
 MAX_LEN = 32  # both models' context, and HFLM's max_length: the rolling windows must be the same
 MODELS = {  # name: (hf_reference family, transformers config)
@@ -78,11 +76,7 @@ def write_tasks(folder):
 def checkpoints(tmp_path_factory):
   """The two checkpoint directories (with the tokenizer), the task folder and the harness's own results."""
   where = tmp_path_factory.mktemp("harness")
-  bpe = Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  bpe.decoder = decoders.ByteLevel()
-  bpe.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
-      vocab_size=290, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  bpe = byte_level_bpe([" ".join(WORDS)] * 20, 290)
   (where / "tasks").mkdir()
   write_tasks(where / "tasks")
   run_reference([{"make": family, "dir": str(where / name), "config": config, "seed": i, "save": {}}
@@ -96,7 +90,7 @@ def checkpoints(tmp_path_factory):
     bpe.add_special_tokens(["<s>"])  # in both, and special: a generated one is left out of the answer
     bpe.save(str(where / name / "tokenizer.json"))
     (where / name / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": END, "tokenizer_class": "PreTrainedTokenizerFast", **bos}))
+        {"eos_token": END_OF_TEXT, "tokenizer_class": "PreTrainedTokenizerFast", **bos}))
     jobs.append({"harness": str(where / name), "tasks": list(TASKS), "include_path": str(where / "tasks"),
                  "max_length": MAX_LEN, "out": str(where / f"{name}.json")})
   run_reference(jobs, where)

@@ -8,9 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
-from helpers import data_config, run_reference, tiny_config, write_corpus
+from helpers import END_OF_TEXT, byte_level_bpe, data_config, run_reference, tiny_config, write_corpus
 from input_pipeline import data
 from input_pipeline.tokenizer import load_tokenizer, run_tokenizer
 from tools import prepare
@@ -18,19 +18,14 @@ from tools.export import export
 from training.checkpoint import Checkpoints
 from training.state import init_state, plan
 
-END = "<|endoftext|>"
+END = END_OF_TEXT
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
   """A byte-level BPE of at most 300 tokens trained here on a few sentences, saved as a Hugging Face directory."""
   folder = tmp_path_factory.mktemp("tokenizer")
-  bpe = Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  bpe.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[END],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  bpe.train_from_iterator(["the mesh trains the model", "héllo wörld, 日本", "print('hello')"] * 20, trainer)
+  bpe = byte_level_bpe(["the mesh trains the model", "héllo wörld, 日本", "print('hello')"] * 20, 300)
   bpe.save(str(folder / "tokenizer.json"))
   (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": END}))
   return folder

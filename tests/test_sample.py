@@ -10,13 +10,14 @@ import pytest
 from flax import nnx
 
 from helpers import ROOT, tiny_config
+from model.kv_cache import init_cache
 from training.checkpoint import Checkpoints
 from training.sample import decode_batch, generate, make_sampler
 from training.state import init_state, plan
 
 PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
 FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
-            # 19 tokens through a window of 4: the cache's mask keeps each query's last 4 positions.
+            # 19 tokens through a window of 4: a rolling cache of 4 slots, the 7-token prompt overflowing it.
             "llama window": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
@@ -47,6 +48,8 @@ def test_cached_greedy_decoding_equals_full_recompute(family):
   # recomputing decoder would see after feeding every earlier token.
   reference = full_forward_logits(layout, params, np.concatenate([PROMPT, tokens[0]]))[len(PROMPT) - 1:-1]
   np.testing.assert_allclose(logits[0], reference, rtol=1e-5, atol=1e-5)
+  # A window's cache is a rolling buffer of its W slots, not max_len.
+  assert init_cache(layout.model, 1)["k"].shape[3] == (layout.model.sliding_window or layout.model.max_len)
   np.testing.assert_array_equal(tokens[0], reference.argmax(-1))
   # Sampling among the top 1 at any temperature is greedy; among the top 5 it is not.
   top_1, _ = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(1)))
