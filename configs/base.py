@@ -97,6 +97,7 @@ def base() -> ml_collections.ConfigDict:
   c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense
   c.moe.every = 1  # every k-th layer's feed-forward is a mixture of experts (1: all, 2: alternate)
   c.moe.top_k = 2  # experts per token
+  c.moe.shared_width = 0  # F_s > 0: a shared SwiGLU expert every token takes, sigmoid-gated (Qwen2-MoE)
   c.moe.renormalize = True  # the top-k router weights scaled to sum to one (Mixtral); False: the softmax's (OLMoE)
   c.moe.capacity_factor = 1.25  # slots per expert = factor x k x tokens / E per sequence; overflow is dropped
   c.moe.dropless = False  # True: no drops; grouped matmuls (ragged_dot), or T slots under mesh.expert

@@ -93,10 +93,14 @@ MIXTRAL_EXPERTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{ex
                    "block_sparse_moe.experts.{expert}.w3.weight", "block_sparse_moe.experts.{expert}.w2.weight")
 QWEN_MOE_EXPERTS = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight",
                     "mlp.experts.{expert}.down_proj.weight")
+# Qwen2-MoE's shared expert (gate, up, down) and its sigmoid gate (1, width).
+QWEN_SHARED_EXPERT = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                      "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight")
 
 
-def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None) -> dict:
-  """The rotary families' tensors; with `experts` (an architecture's names), the feed-forward layers' experts."""
+def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None, shared: tuple | None = None) -> dict:
+  """The rotary families' tensors; with `experts` (an architecture's names), the feed-forward layers' experts,
+  and with `shared`, their shared expert."""
   d, f = cfg.embed_dim, cfg.mlp_dim
   layer = "model.layers.{layer}."
   table = _llama_dense_tensors(cfg, tied, layer)
@@ -110,6 +114,14 @@ def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None) ->
       ("blocks", "mlp", "up_kernel"): Tensor(up, ((f,), (d,)), (1, 0), per_expert=True),
       ("blocks", "mlp", "down_kernel"): Tensor(down, ((d,), (f,)), (1, 0), per_expert=True),
   })
+  if shared is not None:
+    fs, (gate, up, down, shared_gate) = cfg.moe_shared_width, (layer + name for name in shared)
+    table.update({
+        ("blocks", "mlp", "shared", "gate_kernel"): Tensor(gate, ((fs,), (d,)), (1, 0)),
+        ("blocks", "mlp", "shared", "up_kernel"): Tensor(up, ((fs,), (d,)), (1, 0)),
+        ("blocks", "mlp", "shared", "down_kernel"): Tensor(down, ((d,), (fs,)), (1, 0)),
+        ("blocks", "mlp", "shared_gate_kernel"): Tensor(shared_gate, ((1,), (d,)), (1, 0)),
+    })
   # Every layer a mixture of experts: model/transformer.py's MoeUnit holds its one block as layers[0].
   return {("blocks", "layers", 0, *path[1:]) if path[0] == "blocks" else path: tensor for path, tensor in table.items()}
 
@@ -153,12 +165,13 @@ def tensors(cfg: ModelConfig, tied: bool) -> dict:
 def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
   found = next((m for m in MAPPINGS.values() if m.family == cfg.family and m.experts == bool(cfg.num_experts)
-                and (m.windowed or not cfg.sliding_window)), None)
+                and m.shared == bool(cfg.moe_shared_width) and (m.windowed or not cfg.sliding_window)), None)
   if found is None:
-    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts} and model.sliding_window="
-                     f"{cfg.sliding_window} has no Hugging Face architecture; export a llama (Llama, Mistral with a "
-                     "window, Mixtral with experts), a gpt2 or qwen2 without experts or window, or a qwen3 without a "
-                     "window.")
+    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts}, moe.shared_width="
+                     f"{cfg.moe_shared_width} and model.sliding_window={cfg.sliding_window} has no Hugging Face "
+                     "architecture; export a llama (Llama, Mistral with a window, Mixtral with experts), a gpt2, a "
+                     "qwen2 (Qwen2-MoE: experts and a shared expert) or a qwen3 (Qwen3-MoE: experts), none of them "
+                     "with a window but Mistral and Mixtral.")
   if cfg.num_experts and cfg.moe_every != 1:
     raise ValueError(f"moe.every={cfg.moe_every}: {found.architecture} makes every feed-forward layer a mixture "
                      "of experts; export a model trained with moe.every=1.")
@@ -257,13 +270,14 @@ EXPERT_COUNT = ("num_local_experts", "num_experts")
 def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: bool, windowed: bool = False) -> dict:
   """config.model and config.moe (dotted) fields of a mixture-of-experts checkpoint: its family's fields, the
   experts' count, width and top k, every choice kept, and whether the top-k weights are renormalised (the
-  config's norm_topk_prob, else the architecture's `renormalize`)."""
+  config's norm_topk_prob, else the architecture's `renormalize`), and Qwen2-MoE's shared expert's width."""
   experts = next((hf[name] for name in EXPERT_COUNT if name in hf), None)
   if experts is None:
     raise KeyError(" or ".join(EXPERT_COUNT))
   return {**_llama_fields(hf, where, family, windowed), "mlp_dim": hf[width], "moe.experts": experts,
           "moe.top_k": hf["num_experts_per_tok"], "moe.every": 1, "moe.dropless": True,
-          "moe.renormalize": bool(hf.get("norm_topk_prob", renormalize))}
+          "moe.renormalize": bool(hf.get("norm_topk_prob", renormalize)),
+          "moe.shared_width": hf.get("shared_expert_intermediate_size") or 0}
 
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
@@ -313,6 +327,7 @@ class FamilyMapping:
   model_type: str  # config.json's `model_type`
   family: str  # meshlm's model.family
   experts: bool  # whether its feed-forward layers are mixtures of experts (moe.experts > 0)
+  shared: bool  # whether its experts have a shared one beside them (moe.shared_width > 0)
   windowed: bool  # whether its attention may slide a window (config.json's sliding_window: model.sliding_window)
   refused: tuple  # (field, transformers' default, what meshlm computes instead)
   fields: Callable[[dict, str], dict]  # config.json -> config.model fields (config.moe's as "moe.NAME")
@@ -322,15 +337,15 @@ class FamilyMapping:
 
 
 def _rotary(architecture: str, model_type: str, family: str, refused: tuple, experts: tuple | None = None,
-            fields=None, config=None, windowed: bool = False) -> FamilyMapping:
-  return FamilyMapping(architecture, model_type, family, experts is not None, windowed, refused,
+            fields=None, config=None, windowed: bool = False, shared: tuple | None = None) -> FamilyMapping:
+  return FamilyMapping(architecture, model_type, family, experts is not None, shared is not None, windowed, refused,
                        fields or functools.partial(_llama_fields, family=family, windowed=windowed),
                        lambda hf: bool(hf.get("tie_word_embeddings", False)),
-                       functools.partial(llama_tensors, experts=experts), config or _llama_config)
+                       functools.partial(llama_tensors, experts=experts, shared=shared), config or _llama_config)
 
 
 MAPPINGS = {mapping.architecture: mapping for mapping in (
-    FamilyMapping("GPT2LMHeadModel", "gpt2", "gpt2", False, False, _GPT2_REFUSED, _gpt2_fields, lambda hf: True,
+    FamilyMapping("GPT2LMHeadModel", "gpt2", "gpt2", False, False, False, _GPT2_REFUSED, _gpt2_fields, lambda hf: True,
                   gpt2_tensors, _gpt2_config),
     _rotary("LlamaForCausalLM", "llama", "llama", _LLAMA_REFUSED),
     _rotary("Qwen2ForCausalLM", "qwen2", "qwen2", _QWEN2_REFUSED),
@@ -340,6 +355,13 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
             functools.partial(_expert_fields, family="llama", width="intermediate_size", renormalize=True,
                               windowed=True),
             functools.partial(_expert_config, width="intermediate_size"), windowed=True),
+    _rotary("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2", _QWEN2_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
+            # transformers' default norm_topk_prob is False, as the released Qwen1.5-MoE and Qwen2-MoE set it.
+            functools.partial(_expert_fields, family="qwen2", width="moe_intermediate_size", renormalize=False),
+            lambda cfg, tied, dtype: _expert_config(cfg, tied, dtype, width="moe_intermediate_size",
+                                                    intermediate_size=cfg.mlp_dim, norm_topk_prob=cfg.moe_renormalize,
+                                                    shared_expert_intermediate_size=cfg.moe_shared_width),
+            shared=QWEN_SHARED_EXPERT),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

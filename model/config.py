@@ -71,6 +71,7 @@ class ModelConfig:
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
   moe_dropless: bool = False
+  moe_shared_width: int = 0  # F_s > 0: a shared SwiGLU expert of that width, sigmoid-gated (Qwen2-MoE)
   moe_renormalize: bool = True  # the k chosen experts' weights scaled to sum to one (Mixtral); False: softmax's own
   moe_balance_weight: float = 0.01
   moe_z_weight: float = 0.001
@@ -202,6 +203,10 @@ class ModelConfig:
       if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
         raise ValueError(f"moe.{field[4:]}={getattr(self, field)} must be a finite number >= 0 (0 turns that "
                          "loss off); a negative weight rewards what the loss penalises.")
+    if self.moe_shared_width < 0 or (self.moe_shared_width and not self.traits.gated_mlp):
+      raise ValueError(f"moe.shared_width={self.moe_shared_width}: a shared expert is a SwiGLU of that width "
+                       f"(Qwen2-MoE's), which model.family={self.family!r} does not have; use 0, or a llama or "
+                       "qwen family.")
     if self.moe_every < 1 or self.num_layers % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

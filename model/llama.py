@@ -8,7 +8,8 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, activation, matmul, ones, param, vocab_param
+from model.layers import INIT_STD, matmul, ones, param, vocab_param
+from model.mlp import SwiGLU
 from model.moe import MoE
 from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
@@ -85,25 +86,6 @@ class Attention(nnx.Module):
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT, cache)
     return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], cfg.dtype, cfg.fp8)
-
-
-class SwiGLU(nnx.Module):
-  """silu(x W_gate) * (x W_up), then W_down: gate and up column parallel, down row parallel."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, f = cfg.embed_dim, cfg.mlp_dim
-    self.gate_kernel = param(rngs, (d, f), ("embed", "mlp"))
-    self.up_kernel = param(rngs, (d, f), ("embed", "mlp"))
-    self.down_kernel = param(rngs, (f, d), ("mlp", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
-    self.cfg = cfg
-
-  def __call__(self, x_BTD):
-    cfg, dtype = self.cfg, self.cfg.dtype
-    gate_BTF = activation("silu", matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8),
-                          cfg.recompute_activation)
-    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
-                      ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)
 
 
 class Block(nnx.Module):

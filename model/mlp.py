@@ -1,4 +1,4 @@
-"""The GPT-2 feed-forward block: up projection, tanh-GELU, down projection."""
+"""The feed-forward blocks: GPT-2's (up projection, tanh-GELU, down projection) and Llama's SwiGLU."""
 
 import jax
 from flax import nnx
@@ -24,3 +24,22 @@ class Mlp(nnx.Module):
     h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, self.cfg.fp8) + self.up_bias[...].astype(dtype)
     h_BTF = constrain(activation("gelu", h_BTF, self.cfg.recompute_activation), ("batch", "length", "mlp"))
     return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, self.cfg.fp8) + self.down_bias[...].astype(dtype)
+
+
+class SwiGLU(nnx.Module):
+  """silu(x W_gate) * (x W_up), then W_down: gate and up column parallel, down row parallel."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    self.gate_kernel = param(rngs, (d, f), ("embed", "mlp"))
+    self.up_kernel = param(rngs, (d, f), ("embed", "mlp"))
+    self.down_kernel = param(rngs, (f, d), ("mlp", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.cfg = cfg
+
+  def __call__(self, x_BTD):
+    cfg, dtype = self.cfg, self.cfg.dtype
+    gate_BTF = activation("silu", matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8),
+                          cfg.recompute_activation)
+    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
+                      ("batch", "length", "mlp"))
+    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)

@@ -18,6 +18,7 @@ dispatch (parallel/experts.py) when experts are sharded over `expert`; there
 dropless uses the slot layout with C = T, the most one group can send one expert.
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import INIT_STD, activation, matmul, param, zeros
+from model.mlp import SwiGLU
 from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
@@ -138,7 +140,8 @@ def grouped_matmul(sizes_BE, dtype):
 
 
 class MoE(nnx.Module):
-  """E expert copies of the family's feed-forward layer behind a learned top-k router."""
+  """E expert copies of the family's feed-forward layer behind a learned top-k router (and, with
+  moe_shared_width, one shared expert every token passes through, scaled by a learned sigmoid gate)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f, e = cfg.embed_dim, cfg.mlp_dim, cfg.num_experts
@@ -152,6 +155,9 @@ class MoE(nnx.Module):
     else:
       self.up_bias = zeros((e, f), ("expert", "mlp"))
       self.down_bias = zeros((e, d), ("expert", "embed"))
+    if cfg.moe_shared_width:  # Qwen2-MoE's shared expert: a SwiGLU every token takes, behind a sigmoid gate
+      self.shared = SwiGLU(dataclasses.replace(cfg, mlp_dim=cfg.moe_shared_width), rngs)
+      self.shared_gate_kernel = param(rngs, (d, 1), ("embed", None))
     self.cfg = cfg
 
   def __call__(self, x_BTD, positions_T):
@@ -175,6 +181,10 @@ class MoE(nnx.Module):
       kept_BTK = routing.slot_BTK < slots
       rows_BTK = routing.experts_BTK * slots + jnp.minimum(routing.slot_BTK, slots - 1)
     y_BTD = combine(y_BRD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
+    if cfg.moe_shared_width:
+      gate_BT1 = jax.nn.sigmoid(
+          matmul("btd,do->bto", x_BTD, self.shared_gate_kernel[...], dtype).astype(jnp.float32))
+      y_BTD = y_BTD + (gate_BT1 * self.shared(x_BTD.astype(dtype)).astype(jnp.float32)).astype(dtype)
     stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]
     return local(y_BTD), stats
 

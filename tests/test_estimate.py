@@ -29,8 +29,7 @@ from configs.gpt2 import get_config
 from helpers import ROOT, tiny_config
 from measure import analysis, estimate
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
-from model.llama import SwiGLU
-from model.mlp import Mlp
+from model.mlp import Mlp, SwiGLU
 from training.state import model_config, plan
 
 TOLERANCE = 0.15  # memory

@@ -61,12 +61,16 @@ MODELS = {
     "mixtral": ("mixtral", dict(LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2), {}),
     "qwen3_moe": ("qwen3_moe", dict(LLAMA_SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=False), {}),
+    # Qwen2-MoE: q/k/v biases, and a shared expert (width 80) behind a sigmoid gate beside 4 routed ones.
+    "qwen2_moe": ("qwen2_moe", dict(LLAMA_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=80), {}),
 }
 # Beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds: name -> the mesh to train on.
 FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 2, "mesh.tensor": 2},
             "mistral": {"mesh.data": 2, "mesh.tensor": 2},
             "mixtral": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
-            "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
+            "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
+            "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 
@@ -240,7 +244,8 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   directory = copy_with(reference / "gpt2", tmp_path / "bert", config={"architectures": ["BertForMaskedLM"]})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
-          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM checkpoints")
+          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+          "Qwen3MoeForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
@@ -273,9 +278,10 @@ def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, says", [
-    ({"moe.experts": 4}, r"^meshlm's gpt2 with moe.experts=4 and model.sliding_window=0 has no Hugging Face "
-                         r"architecture; export a llama"),
-    ({"model.sliding_window": 8}, r"^meshlm's gpt2 with moe.experts=0 and model.sliding_window=8 has no Hugging Face"),
+    ({"moe.experts": 4}, r"^meshlm's gpt2 with moe.experts=4, moe.shared_width=0 and model.sliding_window=0 has no "
+                         r"Hugging Face architecture; export a llama"),
+    ({"model.sliding_window": 8}, r"^meshlm's gpt2 with moe.experts=0, moe.shared_width=0 and model.sliding_window=8"),
+    ({"model.family": "qwen2", "moe.experts": 4}, r"^meshlm's qwen2 with moe.experts=4, moe.shared_width=0"),
     ({"model.family": "llama", "moe.experts": 4, "moe.every": 2},
      r"^moe.every=2: MixtralForCausalLM makes every feed-forward layer a mixture of experts"),
     ({"model.family": "llama", "moe.experts": 4, "moe.renormalize": False},

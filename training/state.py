@@ -34,8 +34,8 @@ def model_config(config) -> ModelConfig:
   fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(model, f.name)}
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
-                     moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_balance_weight=moe.balance_weight,
-                     moe_z_weight=moe.z_weight)
+                     moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_shared_width=moe.shared_width,
+                     moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
