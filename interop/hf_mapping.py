@@ -11,6 +11,9 @@ Conventions bridged here (no I/O; interop/hf_checkpoint.py reads and writes):
 - Windows. Mistral is Llama with `sliding_window` (each query sees that many
   latest positions, its own included: model.sliding_window); null is none.
   Mixtral carries the same field.
+- OLMoE is Llama with query and key RMS norms over their whole width (gains
+  of heads x head_dim, flat in HF) and every layer's experts named as
+  Qwen-MoE's.
 - Experts. Mixtral is Llama, and Qwen3-MoE Qwen3, with every feed-forward layer
   a mixture of experts: one architecture per family and `moe.experts > 0`.
   Their files hold each expert's matrices apart (`experts.{expert}.w1`, or
@@ -148,13 +151,15 @@ def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
 
 
 def _qwen_attention_tensors(cfg: ModelConfig, attn: str) -> dict:
-  """Qwen2's query/key/value biases (its o_proj has none) and Qwen3's per-head query/key norms (model/qwen.py)."""
+  """Qwen2's query/key/value biases (its o_proj has none), Qwen3's per-head query/key norms (model/qwen.py) and
+  OLMoE's whole-width ones (model/olmoe.py, heads x head_dim gains stored flat)."""
   k, h = cfg.num_kv_heads, cfg.head_dim
   heads = {"q": cfg.num_heads, "k": k, "v": k}
+  norm = {"head": lambda x: _same(f"{attn}{x}_norm.weight", h),
+          "width": lambda x: Tensor(f"{attn}{x}_norm.weight", ((heads[x], h),), (0, 1))}.get(cfg.traits.qk_norm)
   return {**({("blocks", "attn", f"{x}_bias"): Tensor(f"{attn}{x}_proj.bias", ((heads[x], h),), (0, 1))
               for x in heads} if cfg.traits.qkv_bias else {}),
-          **({("blocks", "attn", f"{x}_norm", "scale"): _same(f"{attn}{x}_norm.weight", h)
-              for x in "qk"} if cfg.traits.qk_norm else {})}
+          **({("blocks", "attn", f"{x}_norm", "scale"): norm(x) for x in "qk"} if norm else {})}
 
 
 def tensors(cfg: ModelConfig, tied: bool) -> dict:
@@ -212,6 +217,7 @@ _LLAMA_REFUSED = (
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
 _QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
 _QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
+_OLMOE_REFUSED = (*_LLAMA_REFUSED[:2], ("clip_qkv", None, "queries, keys and values unclipped"))
 _MISTRAL_REFUSED = (_LLAMA_REFUSED[0],)
 _MIXTRAL_REFUSED = (_LLAMA_REFUSED[0], ("router_jitter_noise", 0.0, "a router without noise"))
 # Where a layer's feed-forward is dense or experts: meshlm's import makes every layer experts.
@@ -362,6 +368,10 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
                                                     intermediate_size=cfg.mlp_dim, norm_topk_prob=cfg.moe_renormalize,
                                                     shared_expert_intermediate_size=cfg.moe_shared_width),
             shared=QWEN_SHARED_EXPERT),
+    _rotary("OlmoeForCausalLM", "olmoe", "olmoe", _OLMOE_REFUSED, QWEN_MOE_EXPERTS,
+            functools.partial(_expert_fields, family="olmoe", width="intermediate_size", renormalize=False),
+            lambda cfg, tied, dtype: _expert_config(cfg, tied, dtype, width="intermediate_size",
+                                                    norm_topk_prob=cfg.moe_renormalize)),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

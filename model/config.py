@@ -23,21 +23,22 @@ class FamilyTraits:
   tied_head: bool  # the logits reuse the token table (vocab, embed); otherwise an (embed, vocab) head
   rotary: bool  # positions enter by rotating queries and keys (model.rope_*); otherwise a learned table
   qkv_bias: bool = False  # only the query, key and value projections carry biases (Qwen2)
-  qk_norm: bool = False  # each query and key head is RMS-normalised before rotary (Qwen3)
+  qk_norm: str = ""  # queries and keys RMS-normalised before rotary: each head ("head", Qwen3) or whole ("width", OLMoE)
 
 
 _LLAMA = FamilyTraits(norm_eps=1e-6, gated_mlp=True, biases=False, tied_head=False, rotary=True)
-FAMILIES = {  # model/gpt2.py, model/llama.py and model/qwen.py build them (training/state.py MODEL_FAMILIES)
+FAMILIES = {  # model/gpt2.py, llama.py, qwen.py and olmoe.py build them (training/state.py MODEL_FAMILIES)
     "gpt2": FamilyTraits(norm_eps=1e-5, gated_mlp=False, biases=True, tied_head=True, rotary=False),
     "llama": _LLAMA,
     "qwen2": dataclasses.replace(_LLAMA, qkv_bias=True),
-    "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
+    "qwen3": dataclasses.replace(_LLAMA, qk_norm="head"),
+    "olmoe": dataclasses.replace(_LLAMA, qk_norm="width"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  family: str  # gpt2 | llama | qwen2 | qwen3
+  family: str  # gpt2 | llama | qwen2 | qwen3 | olmoe
   num_layers: int
   num_heads: int
   embed_dim: int

@@ -24,7 +24,7 @@ class Attention(llama.Attention):
       self.q_bias = zeros((n, h), ("heads", "head_dim"))
       self.k_bias = zeros((k, h), ("kv_heads", "head_dim"))
       self.v_bias = zeros((k, h), ("kv_heads", "head_dim"))
-    if cfg.traits.qk_norm:
+    if cfg.traits.qk_norm == "head":
       self.q_norm = llama.RMSNorm(h, cfg.epsilon, axis="head_dim")
       self.k_norm = llama.RMSNorm(h, cfg.epsilon, axis="head_dim")
 
@@ -33,7 +33,7 @@ class Attention(llama.Attention):
     if self.cfg.traits.qkv_bias:
       q_BTNH, k_BTKH, v_BTKH = (x + bias[...].astype(x.dtype) for x, bias in (
           (q_BTNH, self.q_bias), (k_BTKH, self.k_bias), (v_BTKH, self.v_bias)))
-    if self.cfg.traits.qk_norm:
+    if self.cfg.traits.qk_norm == "head":
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     return q_BTNH, k_BTKH, v_BTKH
 

@@ -64,13 +64,16 @@ MODELS = {
     # Qwen2-MoE: q/k/v biases, and a shared expert (width 80) behind a sigmoid gate beside 4 routed ones.
     "qwen2_moe": ("qwen2_moe", dict(LLAMA_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                     shared_expert_intermediate_size=80), {}),
+    # OLMoE: query and key norms over the whole width, the softmax's top-2 weights kept.
+    "olmoe": ("olmoe", dict(LLAMA_SHAPE, num_experts=4, num_experts_per_tok=2), {}),
 }
 # Beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds: name -> the mesh to train on.
 FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 2, "mesh.tensor": 2},
             "mistral": {"mesh.data": 2, "mesh.tensor": 2},
             "mixtral": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
-            "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
+            "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
+            "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 
@@ -245,7 +248,7 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-          "Qwen3MoeForCausalLM checkpoints")
+          "OlmoeForCausalLM, Qwen3MoeForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):

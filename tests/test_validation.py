@@ -40,7 +40,7 @@ BAD = [
     ({"precision.loss_scale_growth": 0}, r"precision.loss_scale_growth=0 must be an integer of at least 1"),
     ({"pipeline.virtual_stages": 0}, r"pipeline.virtual_stages=0 must be an integer of at least 1"),
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
-    ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3\."),
+    ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
     ({"model.family": "llama", "model.rope_type": "yarn"}, r"model.rope_type='yarn' is unknown; use one of default, "
      r"linear, llama3\."),
@@ -52,7 +52,7 @@ BAD = [
      r"model.rope_type='llama3' needs rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
      r"rope_high_freq_factor; they are 0, 1.0 and 4.0"),
     ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
-     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3\)"),
+     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3, 1e-06 for olmoe\)"),
     ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
      r"model.vocab_size=256"),
     ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),

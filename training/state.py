@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
+from model.olmoe import OLMoE
 from model.qwen import Qwen
 from model.transformer import chunk_positions
 from parallel import rules, schedules
@@ -24,7 +25,7 @@ from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
 from training.optimizer import make_optimizer
 
-MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen, "qwen3": Qwen}
+MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen, "qwen3": Qwen, "olmoe": OLMoE}
 
 
 def model_config(config) -> ModelConfig:
