@@ -85,12 +85,16 @@ def base() -> ml_collections.ConfigDict:
   c.model.head_width = 0  # each attention head's width; 0 = embed_dim // num_heads (Qwen3 sets 128)
   c.model.rope_theta = 10000.0  # llama: rotary base
   # llama: rotary frequencies rescaled for a longer context, as Llama 3.1's checkpoints set them
-  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3
+  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3 | yarn
   c.model.rope_type = "default"
   c.model.rope_factor = 1.0
   c.model.rope_low_freq_factor = 1.0
   c.model.rope_high_freq_factor = 4.0
   c.model.rope_original_max_len = 0
+  c.model.rope_beta_fast = 32.0  # yarn: the ramp between pairs kept and pairs divided by rope_factor
+  c.model.rope_beta_slow = 1.0
+  c.model.rope_attention_factor = 0.0  # yarn: cos and sin scaled by it; 0: 0.1 ln(rope_factor) + 1
+  c.model.rope_truncate = True
   c.model.norm_eps = 0.0  # LayerNorm / RMSNorm epsilon; 0: the family's own (gpt2 1e-5, llama 1e-6)
 
   c.moe = ml_collections.ConfigDict()

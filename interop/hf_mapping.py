@@ -231,7 +231,14 @@ ROPE_FIELDS = {
     "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_len"},
+    # beta_fast, beta_slow, attention_factor and truncate may be left out: meshlm's defaults are transformers'.
+    "yarn": {"factor": "rope_factor", "original_max_position_embeddings": "rope_original_max_len",
+             "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor",
+             "truncate": "rope_truncate"},
 }
+# YaRN's other way to set its attention factor (DeepSeek's); meshlm takes attention_factor or derives it from factor.
+_YARN_REFUSED = ("mscale", "mscale_all_dim")
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": 0.0}  # 0: derived
 
 
 def _refuse(hf: dict, where: str, refused) -> None:
@@ -260,7 +267,11 @@ def _llama_fields(hf: dict, where: str, family: str = "llama", windowed: bool = 
   if rope_type not in ROPE_FIELDS:
     raise ValueError(f"{where} sets rope_type={rope_type!r}, but meshlm computes rotary positions "
                      f"{', '.join(ROPE_FIELDS)} only.")
-  scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs]) for theirs, ours in ROPE_FIELDS[rope_type].items()}
+  if rope_type == "yarn" and (unread := [f for f in _YARN_REFUSED if rope.get(f)]):
+    raise ValueError(f"{where} sets yarn's {unread[0]}={rope[unread[0]]!r}, but meshlm computes YaRN's attention factor "
+                     "from attention_factor or factor only.")
+  scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs])
+             for theirs, ours in ROPE_FIELDS[rope_type].items() if rope.get(theirs) is not None}
   return dict(**scaling, rope_type=rope_type, family=family, num_layers=hf["num_hidden_layers"], num_heads=heads,
               sliding_window=(hf.get("sliding_window") or 0) if windowed else 0,  # null or absent: none
               head_width=0 if head_width * heads == width else head_width,
@@ -308,6 +319,8 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   mapping = mapping_of(cfg)
   rope = {"rope_type": cfg.rope_type,
           **{theirs: getattr(cfg, ours) for theirs, ours in ROPE_FIELDS[cfg.rope_type].items()}}
+  if cfg.rope_type == "yarn":  # only what differs from transformers' defaults, which are meshlm's
+    rope = {k: v for k, v in rope.items() if _YARN_DEFAULTS.get(k, object()) != v}
   return dict(architectures=[mapping.architecture], model_type=mapping.model_type, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,

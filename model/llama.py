@@ -36,8 +36,23 @@ def rotary_frequencies(half: int, cfg: ModelConfig) -> jax.Array:
   frequencies, whose wavelength is longer than rope_original_max_len /
   rope_low_freq_factor; keeps the high ones, shorter than rope_original_max_len /
   rope_high_freq_factor; and blends the two linearly in 1 / wavelength between.
+  `yarn` (YaRN, Peng et al. 2023, as transformers computes it) keeps the pairs
+  that turn more than rope_beta_fast times over rope_original_max_len, divides
+  those that turn fewer than rope_beta_slow times, and ramps linearly in the
+  pair's index between (the ramp's ends rounded outwards with rope_truncate);
+  `rope_scale` then scales cos and sin.
   """
   frequencies_F = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_type == "yarn":
+    # The pair index at which a frequency turns `rotations` times over the pre-training context.
+    index = lambda rotations: half * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / math.log(
+        cfg.rope_theta)
+    low, high = index(cfg.rope_beta_fast), index(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, 2 * half - 1)
+    divided_F = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / (high - low if high != low else 0.001), 0, 1)
+    return divided_F * frequencies_F / cfg.rope_factor + (1 - divided_F) * frequencies_F
   if cfg.rope_type == "linear":
     return frequencies_F / cfg.rope_factor
   if cfg.rope_type == "llama3":
@@ -48,12 +63,21 @@ def rotary_frequencies(half: int, cfg: ModelConfig) -> jax.Array:
   return frequencies_F
 
 
+def rope_scale(cfg: ModelConfig) -> float:
+  """What cos and sin are multiplied by: YaRN's attention factor (rope_attention_factor, else
+  0.1 ln(rope_factor) + 1), so that each attention logit grows by its square; 1 for the other types."""
+  if cfg.rope_type != "yarn":
+    return 1.0
+  return cfg.rope_attention_factor or (0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0)
+
+
 def rotary(x_BTNH, positions_T, cfg: ModelConfig):
   """Rotate each (first half, second half) pair of x by its token's global position (RoFormer)."""
   half = x_BTNH.shape[-1] // 2
   frequencies_F = rotary_frequencies(half, cfg)
   angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
-  cos_TF, sin_TF = jnp.cos(angles_TF)[:, None, :], jnp.sin(angles_TF)[:, None, :]
+  scale = rope_scale(cfg)
+  cos_TF, sin_TF = scale * jnp.cos(angles_TF)[:, None, :], scale * jnp.sin(angles_TF)[:, None, :]
   x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([x1 * cos_TF - x2 * sin_TF, x2 * cos_TF + x1 * sin_TF], axis=-1)
   return rotated.astype(x_BTNH.dtype)

@@ -52,6 +52,10 @@ MODELS = {
         "original_max_position_embeddings": 8}), {}),
     "llama_linear": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
                      {}),
+    # YaRN (as Qwen2.5's long-context and DeepSeek's checkpoints set it) from a pre-training context of 8 positions:
+    # the ramp between kept and divided pairs falls inside the 8 pairs of a 16-wide head.
+    "llama_yarn": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 8.0}), {}),
     # Qwen2.5's small models tie their head; Qwen3's heads are wider than hidden_size / heads (24, not 16).
     "qwen2": ("qwen2", dict(LLAMA_SHAPE, rope_theta=1e6, tie_word_embeddings=True), {}),
     "qwen3": ("qwen3", dict(LLAMA_SHAPE, rope_theta=1e6, head_dim=24), {}),
@@ -123,7 +127,7 @@ def logits(layout, params, tokens):
 # The tied Llama differs from the untied one only in where its head is read from, the linear scaling from
 # llama3's in a division: one device is enough for them.
 LOGIT_CASES = [(name, mesh) for name in MODELS for mesh in MESHES
-               if name not in ("llama_tied", "llama_linear") or not MESHES[mesh]]
+               if name not in ("llama_tied", "llama_linear", "llama_yarn") or not MESHES[mesh]]
 
 
 @pytest.mark.parametrize("name, mesh", LOGIT_CASES)
@@ -268,9 +272,14 @@ def test_refuses_a_missing_weight(reference, tmp_path):
 
 def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   directory = copy_with(reference / "llama", tmp_path / "scaled",
-                        config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}})
+                        config={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 500.0, "factor": 4.0}})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
-          "sets rope_type='yarn', but meshlm computes rotary positions default, linear, llama3 only")
+          "sets rope_type='dynamic', but meshlm computes rotary positions default, linear, llama3, yarn only")
+  deepseek = copy_with(reference / "llama", tmp_path / "deepseek", config={"rope_parameters": {
+      "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
+      "mscale_all_dim": 1.0}})
+  refused(tiny_config(init_from=f"hf:{deepseek}", workdir=str(tmp_path / "run")),
+          "sets yarn's mscale=1.0, but meshlm computes YaRN's attention factor from attention_factor or factor only")
   refused(tiny_config(init_from=str(directory), workdir=str(tmp_path / "run")), "use hf:<directory>")
   windowed = copy_with(reference / "qwen2", tmp_path / "windowed", config={"use_sliding_window": True})
   refused(tiny_config(init_from=f"hf:{windowed}", workdir=str(tmp_path / "run")),
