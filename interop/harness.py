@@ -48,12 +48,16 @@ class MeshlmLM(TemplateLM):
     self.rows = math.prod(mesh.shape[axis] for axis in _row_axes(layout))  # a batch is a multiple of this
 
     @jax.jit
-    def log_probs(params, tokens_BL):
+    def scored(params, tokens_BL, targets_BL):
+      """Each position's log-probability of its target, and whether it is the most likely token: [B, L] each,
+      so that only these leave the devices, not a [B, L, vocabulary] array."""
       with placed(placement.for_layout(layout)):
         logits_BLV = nnx.merge(layout.graphdef, params).predict(tokens_BL)
-      return jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
+      log_probs_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
+      return (jnp.take_along_axis(log_probs_BLV, targets_BL[..., None], axis=-1)[..., 0],
+              jnp.argmax(log_probs_BLV, axis=-1) == targets_BL)
 
-    self._log_probs = log_probs
+    self._scored = scored
 
   @property
   def eot_token_id(self) -> int:
@@ -91,21 +95,23 @@ class MeshlmLM(TemplateLM):
     results = [None] * len(rows)
     for start in range(0, len(order), self.batch_size):
       batch = [rows[i] for i in order[start:start + self.batch_size]]
-      log_probs_BLV = self._run([inputs for inputs, _, _ in batch])
-      for i, (inputs, targets, scored), log_probs_LV in zip(order[start:], batch, log_probs_BLV):
-        span_SV = log_probs_LV[len(inputs) - scored:len(inputs)]
-        wanted = np.asarray(targets[-scored:])
-        results[i] = (float(span_SV[np.arange(scored), wanted].sum()), bool((span_SV.argmax(-1) == wanted).all()))
+      picked_BL, greedy_BL = self.score_rows([inputs for inputs, _, _ in batch], [targets for _, targets, _ in batch])
+      for i, (inputs, _, scored), picked_L, greedy_L in zip(order[start:], batch, picked_BL, greedy_BL):
+        span = slice(len(inputs) - scored, len(inputs))
+        results[i] = (float(picked_L[span].sum()), bool(greedy_L[span].all()))
     return results
 
-  def _run(self, rows: list) -> np.ndarray:
-    """Log-probabilities [rows, length, vocab] of right-padded rows; the batch padded to whole rows per device."""
-    length = max(SHORTEST_BATCH_LENGTH, 1 << (max(map(len, rows)) - 1).bit_length())
-    tokens = np.zeros((-(-len(rows) // self.rows) * self.rows, min(length, self.max_length)), np.int32)
-    for row, ids in enumerate(rows):
-      tokens[row, :len(ids)] = ids
-    return np.asarray(jax.device_get(self._log_probs(self.params, jax.device_put(tokens,
-                                                                                self.layout.batch_sharding))))
+  def score_rows(self, inputs: list, targets: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's log-probability of each target and whether it is the greedy choice, [rows, length] each, for
+    right-padded rows; the batch padded to whole rows per device."""
+    length = min(self.max_length, max(SHORTEST_BATCH_LENGTH, 1 << (max(map(len, inputs)) - 1).bit_length()))
+    padded = -(-len(inputs) // self.rows) * self.rows
+    arrays = [np.zeros((padded, length), np.int32) for _ in range(2)]
+    for row, (ids, wanted) in enumerate(zip(inputs, targets)):
+      arrays[0][row, :len(ids)], arrays[1][row, :len(wanted)] = ids, wanted
+    picked, greedy = jax.device_get(self._scored(
+        self.params, *(jax.device_put(a, self.layout.batch_sharding) for a in arrays)))
+    return np.asarray(picked)[:len(inputs)], np.asarray(greedy)[:len(inputs)]
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     scores = []

@@ -182,7 +182,8 @@ def test_perplexity_of_a_masked_split_scores_only_its_completions(checkpoints, t
   perplexity, scored = split_perplexity(layout, params, split, make_eval_step(layout), batch_size=8)
   windows = [np.asarray(split.tokens[i * MAX_LEN:(i + 1) * MAX_LEN + 1]) for i in range(8 * (len(split.tokens) // MAX_LEN // 8))]
   masks = [np.asarray(split.mask[i * MAX_LEN + 1:(i + 1) * MAX_LEN + 1]) for i in range(len(windows))]
-  log_probs = MeshlmLM(layout, params, tokenizer)._run([w[:-1].tolist() for w in windows])
-  picked = [lp[np.arange(MAX_LEN), w[1:]][m == 1] for lp, w, m in zip(log_probs, windows, masks)]
+  log_probs, _ = MeshlmLM(layout, params, tokenizer).score_rows([w[:-1].tolist() for w in windows],
+                                                                [w[1:].tolist() for w in windows])
+  picked = [lp[m == 1] for lp, m in zip(log_probs, masks)]
   assert scored == sum(m.sum() for m in masks) < sum(m.size for m in masks)  # the completions, not every token
   np.testing.assert_allclose(perplexity, np.exp(-np.concatenate(picked).mean()), rtol=1e-5)
