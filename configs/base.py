@@ -85,7 +85,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.head_width = 0  # each attention head's width; 0 = embed_dim // num_heads (Qwen3 sets 128)
   c.model.rope_theta = 10000.0  # llama: rotary base
   # llama: rotary frequencies rescaled for a longer context, as Llama 3.1's checkpoints set them
-  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3 | yarn
+  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3 | yarn | dynamic
   c.model.rope_type = "default"
   c.model.rope_factor = 1.0
   c.model.rope_low_freq_factor = 1.0

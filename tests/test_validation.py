@@ -42,8 +42,10 @@ BAD = [
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
     ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
-    ({"model.family": "llama", "model.rope_type": "dynamic"}, r"model.rope_type='dynamic' is unknown; use one of "
-     r"default, linear, llama3, yarn\."),
+    ({"model.family": "llama", "model.rope_type": "longrope"}, r"model.rope_type='longrope' is unknown; use one of "
+     r"default, linear, llama3, yarn, dynamic\."),
+    ({"model.family": "llama", "model.rope_type": "dynamic"}, r"model.rope_type='dynamic' needs rope_original_max_len "
+     r"> 0, the context past which the rotary base grows; it is 0\."),
     ({"model.family": "llama", "model.rope_type": "yarn"}, r"model.rope_type='yarn' needs rope_original_max_len > 0, "
      r"rope_beta_slow < rope_beta_fast and rope_attention_factor >= 0; they are 0, 1.0, 32.0 and 0.0"),
     ({"model.rope_type": "linear"}, r"model.rope_type='linear' rescales rotary positions, which the gpt2 family "
