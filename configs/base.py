@@ -147,7 +147,7 @@ def base() -> ml_collections.ConfigDict:
   c.sharding.fsdp_group = 0
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum
+  c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum | muon
   c.optimizer.lr = 1e-3
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95
@@ -157,6 +157,11 @@ def base() -> ml_collections.ConfigDict:
   c.optimizer.decay_embeddings = False
   c.optimizer.decay_1d = False  # biases (whatever their rank) and norm scales
   c.optimizer.clip_norm = 1.0  # global-norm clipping; 0 turns it off
+  # muon (training/muon.py): the layers' matrices by orthogonalised momentum, everything else by adamw above
+  c.optimizer.muon_momentum = 0.95  # Nesterov momentum's decay
+  c.optimizer.muon_steps = 5  # Newton-Schulz iterations
+  c.optimizer.muon_rms = 0.2  # the update's RMS, AdamW's (Liu et al. 2025)
+  c.optimizer.muon_gather = True  # gather each matrix's momentum to orthogonalise it; False: XLA splits the matmuls
 
   c.schedule = ml_collections.ConfigDict()
   c.schedule.warmup_steps = 30

@@ -39,9 +39,11 @@ from model.config import FAMILIES, ModelConfig, VOCAB_MULTIPLE
 from model.transformer import chunk_count, chunk_positions, scan_blocks
 from parallel import rules, schedules
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from training import muon
 from training.state import build_model, model_config
 
-ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0}
+# Moments per weight: Muon keeps one (its momentum) for the matrices it trains and AdamW's two for the rest.
+ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0, "muon": 2}
 F32_BYTES = np.dtype(np.float32).itemsize
 INT32_BYTES = np.dtype(np.int32).itemsize
 MASTER_BYTES = F32_BYTES  # master weights and their gradients are float32 whatever the compute dtype
@@ -51,6 +53,7 @@ MASTER_BYTES = F32_BYTES  # master weights and their gradients are float32 whate
 class Weight:
   shape: tuple[int, ...]
   axes: tuple  # logical names, None where unnamed
+  sides: tuple | None = None  # Muon's (input axes, output axes) where it trains this weight (training/muon.py)
 
   @property
   def stacked(self) -> bool:
@@ -143,14 +146,15 @@ def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
   zero, axis, d = config.sharding.zero, rules.fsdp_axis(config.sharding), dims(config, mesh)
   params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
-  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) for w in weights)
-             * np.dtype(config.precision.moments).itemsize)
   if config.optimizer.name not in ADAM_MOMENTS:
     raise ValueError(f"optimizer.name={config.optimizer.name!r} has no memory estimate.")
+  per_weight = lambda w: 1 if config.optimizer.name == "muon" and w.sides else ADAM_MOMENTS[config.optimizer.name]
+  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * per_weight(w) for w in weights)
+             * np.dtype(config.precision.moments).itemsize)
   local_batch = config.batch_size // (mesh[DATA] * mesh[EXPERT])
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
   return {"params": params, "grads": params * (2 if config.grad_accum > 1 else 1),
-          "opt_state": moments * ADAM_MOMENTS[config.optimizer.name],
+          "opt_state": moments,
           "batch": 2 * local_batch * d.length * INT32_BYTES,
           "activations": activations(config, d, weights)}
 
@@ -442,7 +446,8 @@ def collectives_by_source(config, mesh: dict, weights: list[Weight]) -> dict[str
                         ("tensor", lambda t: _tensor_parallel(config, mesh, t)),
                         ("pipeline", lambda t: _pipeline(config, mesh, weights, t)),
                         ("context", lambda t: _context(config, mesh, t)),
-                        ("experts", lambda t: _experts(config, mesh, t))):
+                        ("experts", lambda t: _experts(config, mesh, t)),
+                        ("optimizer", lambda t: _muon(config, mesh, weights, t))):
     traffic = collections.Counter()
     count(traffic)
     out[source] = {key: value for key, value in traffic.items() if value}
@@ -495,6 +500,35 @@ def _gradients(config, mesh, weights, traffic):
     if fsdp:
       gathered = used // param_bytes * _gathered_bytes(config, w, weights)
       traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[axis])
+
+
+def _muon_gathers(config, mesh, weights):
+  """(weight, the mesh axes its momentum is gathered over) for each matrix Muon orthogonalises whole."""
+  if config.optimizer.name != "muon" or not config.optimizer.muon_gather:
+    return []
+  moments = rules.optimizer_rules(config.sharding.zero, rules.fsdp_axis(config.sharding))
+  return [(w, sharded_over(w, mesh, moments) - sharded_over(w, mesh, muon.GATHERED_RULES)) for w in weights if w.sides]
+
+
+def _muon(config, mesh, weights, traffic):
+  """Muon (training/muon.py): each matrix's float32 momentum all-gathered over the axes that split its
+  matrix sides (ZeRO's and `tensor`), once per step; the orthogonalised update is then sliced, not sent."""
+  for w, axes in _muon_gathers(config, mesh, weights):
+    if axes:
+      whole = shard_elements(w, mesh, muon.GATHERED_RULES) * F32_BYTES
+      traffic[("all-gather", _axes_key(axes))] += _gather(whole, math.prod(mesh[a] for a in axes))
+
+
+def newton_schulz_flops(config, mesh, weights) -> int:
+  """Muon's matmul FLOPs per device per step: every device that gathered a matrix iterates on it whole.
+  Per step of the quintic on an m x n matrix (m <= n): X X^T and (bA + cA^2) X, 2m^2 n each, and A^2, 2m^3."""
+  total = 0
+  for w, _ in _muon_gathers(config, mesh, weights):
+    inputs, outputs = w.sides
+    m, n = sorted((math.prod(w.shape[i] for i in inputs), math.prod(w.shape[i] for i in outputs)))
+    matrices = shard_elements(w, mesh, muon.GATHERED_RULES) // (m * n)
+    total += matrices * config.optimizer.muon_steps * (4 * m * m * n + 2 * m ** 3)
+  return total
 
 
 def _gathered_bytes(config, w: Weight, weights: list[Weight]) -> int:
@@ -720,7 +754,8 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
     recompute += parts["scores"]
   head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in _head(config, weights))
-  out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute}
+  out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,
+         "optimizer": newton_schulz_flops(config, mesh, weights)}
   return {**out, "total": sum(out.values())}
 
 

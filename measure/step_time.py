@@ -94,6 +94,8 @@ def calls(config, mesh: dict, source: str, kind: str) -> int:
              else schedules.circular_ticks(stages=mesh[PIPELINE], micro=p.microbatches,
                                            virtual=p.virtual_stages if p.schedule == "interleaved" else 1))
     return 2 * ticks * config.grad_accum
+  if source == "optimizer":  # Muon gathers each matrix's momentum once per step
+    return layers
   if kind == "all-gather":  # ZeRO-3 gathers each layer's weights in each pass, ZeRO-1 the updated ones once
     return per_pass if config.sharding.zero == 3 else layers
   return config.grad_accum * layers

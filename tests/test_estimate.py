@@ -44,6 +44,8 @@ LAYOUTS = {
     "data=2 x sequence=4": {"mesh.data": 2, "mesh.sequence": 4},
     "moe data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4},
     "data=8, activations recomputed": {"mesh.data": 8, "model.recompute_activation": True},
+    "muon fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "optimizer.name": "muon"},
+    "muon data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4, "optimizer.name": "muon"},
 }
 
 
@@ -65,6 +67,11 @@ BY_HAND = {
         # 4 x (2 x (99968 - 896) + 18560) x 7/8.
         {("reduce-scatter", "data"): 411712, ("all-reduce", "data"): 6272, ("all-gather", "data"): 758464},
         # A pair of all-to-alls re-lays the lookup's share of the table's gradient.
+        None, {("all-to-all", "data")}),
+    "muon fsdp data=8": (
+        # As fsdp data=8, and Muon's gather of each matrix's float32 momentum (training/muon.py), 2 layers x
+        # 49152 elements: 4 x 98304 x 7/8 = 344064 more all-gathered over data.
+        {("reduce-scatter", "data"): 411712, ("all-reduce", "data"): 6272, ("all-gather", "data"): 1102528},
         None, {("all-to-all", "data")}),
     "data=4 x pipeline=2": (
         # Once per step, over data a stage's half of the stacked weights, 2 x 4 x 99968 / 2 x 3/4, and over
@@ -302,6 +309,11 @@ def test_flops_estimate_by_hand():
   # 2 layers x (2 x 49152 + 4 x 32 x 64) x 64 - 2 x 2097152 = 9437184 more.
   config.model.remat = "full"
   assert estimate.flops(config, mesh, weights)["total"] == TINY_DATA8_FLOPS + 9437184
+  # Muon iterates five times on each whole matrix on every device: per layer q, k, v and out (64 x 64,
+  # 6 x 64^3 a step) and MLP up and down (64 x 256: 4 x 64^2 x 256 + 2 x 64^3), 5 x (4 x 1572864 + 2 x 4718592)
+  # = 78643200, two layers.
+  config.model.remat, config.optimizer.name = "none", "muon"
+  assert estimate.flops(config, mesh, weights)["optimizer"] == 157286400
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

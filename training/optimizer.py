@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum")
+from training import muon
+
+OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon")
 
 
 def learning_rate(config) -> optax.Schedule:
@@ -51,12 +53,20 @@ def decay_mask(params, config):
   return jax.tree_util.tree_map_with_path(lambda path, _: decays[parameter_kind(path)], params)
 
 
-def make_optimizer(config, params) -> optax.GradientTransformation:
-  """Global-norm clipping followed by the configured update rule, driven by the schedule."""
+def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -> optax.GradientTransformation:
+  """Global-norm clipping followed by the configured update rule, driven by the schedule.
+
+  Muon reads which parameters are matrices off their logical axes (`logical`, the parameters' tree of
+  PartitionSpecs of logical names); on a `mesh` it gathers each matrix's momentum from where the moments lie
+  (`moment_rules`) unless optimizer.muon_gather is off (training/muon.py).
+  """
   opt = config.optimizer
   lr = learning_rate(config)
   mask = decay_mask(params, config)
-  if opt.name == "adamw":
+  if opt.name == "muon":
+    described = muon.matrices(params, logical, mesh if opt.muon_gather else None, moment_rules)
+    rule = muon.muon(config, lr, lambda p: decay_mask(p, config), described)
+  elif opt.name == "adamw":
     # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
     rule = optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
   elif opt.name == "adam":

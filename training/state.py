@@ -90,14 +90,13 @@ def plan(config, devices=None) -> Layout:
   graphdef, abstract_params = nnx.split(abstract_model)
   logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
   params_abstract = nnx.to_pure_dict(abstract_params)
-  tx = make_optimizer(config, params_abstract)
-  opt_abstract = jax.eval_shape(tx.init, params_abstract)
   zero, axis = config.sharding.zero, rules.fsdp_axis(config.sharding)
+  tx = make_optimizer(config, params_abstract, logical, mesh, rules.optimizer_rules(zero, axis))
+  opt_abstract = jax.eval_shape(tx.init, params_abstract)
   param_shardings = rules.shardings(logical, mesh, rules.weight_rules(zero, axis))
   moment_shardings = rules.shardings(logical, mesh, rules.optimizer_rules(zero, axis))
   replicated = NamedSharding(mesh, P())
-  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, moment_shardings,
-                                        transform_non_params=lambda _: replicated)
+  opt_shardings = _moment_leaves(opt_abstract, params_abstract, moment_shardings, replicated)
   state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                      "skipped": replicated}
   counter = jax.ShapeDtypeStruct((), jnp.int32)
@@ -114,6 +113,21 @@ def plan(config, devices=None) -> Layout:
                 virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
+
+
+def _moment_leaves(opt_state, params, moment_shardings, other):
+  """Each optimizer-state leaf's sharding: a parameter's moments where its path ends in that parameter's
+  path, with its shape, `other` for the rest (step counts). By path rather than optax.tree_map_params,
+  which cannot pair a partitioned optimizer's masked-out leaves (Muon's) with the parameters' tree."""
+  path_of = lambda path: tuple(map(str, path))
+  moments = {path_of(path): (param.shape, sharding) for (path, param), sharding in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(moment_shardings))}
+
+  def sharding(path, leaf):
+    owner = next((moments[path_of(path[i:])] for i in range(len(path)) if path_of(path[i:]) in moments), None)
+    return owner[1] if owner and owner[0] == leaf.shape else other
+
+  return jax.tree_util.tree_map_with_path(sharding, opt_state)
 
 
 def init_state(layout: Layout, seed: int) -> dict:

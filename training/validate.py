@@ -72,6 +72,10 @@ def check_run(config) -> None:
             what="the squared gradient's decay per step; 0.95 or 0.999 is usual")
   _in_range(config, "optimizer.momentum", 0, 1, closed=False, what="the velocity's decay per step; 0.9 is usual")
   _finite_non_negative(config, "optimizer.eps", "Adam's floor under the root of v; 1e-8 is usual", zero=False)
+  _in_range(config, "optimizer.muon_momentum", 0, 1, closed=False, what="Muon's momentum decay per step; 0.95 is usual")
+  _at_least(config, "optimizer.muon_steps", 1, ": Newton-Schulz iterations, 5 is usual")
+  _finite_non_negative(config, "optimizer.muon_rms", "the RMS Muon's updates are scaled to; 0.2 matches AdamW's",
+                       zero=False)
   _at_least(config, "schedule.warmup_steps", 0, " (0 starts at the peak learning rate)")
   _in_range(config, "schedule.final_lr_ratio", 0, 1, closed=True,
             what="the last step's learning rate over the peak; 0.1 is usual")

@@ -1,0 +1,154 @@
+"""Muon (training/muon.py): the iteration, which parameters it trains, its update's scale, and every layout
+equal to one device.
+
+Tolerance: float32 throughout. The layouts differ in the order of reductions only, and the iteration on a
+gathered matrix runs the same matmuls as on one device, so parameters after STEPS steps agree to 1e-5 of
+each one's largest entry, as AdamW's do (tests/test_equivalence.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import STEPS, assert_params_close, setup, tiny_config, train_steps
+from measure import analysis, estimate
+from measure.dry_run import compile_partitioned_train_step, model_weights
+from training import muon
+from training.state import build_model, model_config, plan
+
+MUON = {"optimizer.name": "muon"}
+EXPERTS = {"model.family": "llama", "moe.experts": 4}
+
+
+def test_newton_schulz_brings_every_singular_value_near_one():
+  # Five quintic steps from x / ||x||_F: the singular values of a random 64 x 256 matrix, spread over a
+  # factor of 3 (0.5 to 1.5 x 16), land in [0.68, 1.13] (Jordan's coefficients aim at about [0.7, 1.2]);
+  # a tall matrix is iterated transposed and comes back tall.
+  x = jax.random.normal(jax.random.key(0), (2, 64, 256))
+  for matrix in (x, jnp.swapaxes(x, 1, 2)):
+    singular = np.linalg.svd(np.asarray(muon.newton_schulz(matrix, 5)), compute_uv=False)
+    assert singular.min() > 0.6 and singular.max() < 1.2, (singular.min(), singular.max())
+  raw = np.linalg.svd(np.asarray(x), compute_uv=False)
+  assert raw.max() / raw.min() > 2.5  # the iteration did the flattening, not the input
+
+
+def muon_parameters(overrides):
+  """Parameter name -> its Matrix, or None where AdamW trains it."""
+  config = tiny_config(**MUON, **overrides)
+  with nnx.use_eager_sharding(False):
+    params = nnx.state(nnx.eval_shape(lambda: build_model(model_config(config), 0)), nnx.Param)
+  logical = nnx.to_pure_dict(nnx.get_partition_spec(params))
+  described = jax.tree.leaves_with_path(muon.matrices(nnx.to_pure_dict(params), logical),
+                                     is_leaf=lambda m: m is None or isinstance(m, muon.Matrix))
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): m for path, m in described}
+
+
+@pytest.mark.parametrize("overrides, matrices, some_adamw", [
+    ({}, {"blocks/attn/qkv_kernel": ((1,), (3, 4)), "blocks/attn/out_kernel": ((1, 2), (3,)),
+          "blocks/mlp/up_kernel": ((1,), (2,)), "blocks/mlp/down_kernel": ((1,), (2,))},
+     {"embed/tokens", "embed/positions", "blocks/attn/qkv_bias", "blocks/ln_attn/scale", "ln_final/bias"}),
+    ({"model.family": "qwen2", "moe.experts": 4, "moe.shared_width": 32, "moe.every": 1}, {
+        **{f"blocks/layers/{i}/attn/{p}_kernel": ((1,), (2, 3)) for i in (0,) for p in "qkv"},
+        **{f"blocks/layers/{i}/attn/out_kernel": ((1, 2), (3,)) for i in (0,)},
+        **{f"blocks/layers/{i}/mlp/{p}_kernel": ((2,), (3,)) for i in (0,) for p in ("up", "gate", "down")},
+        **{f"blocks/layers/{i}/mlp/shared/{p}_kernel": ((1,), (2,)) for i in (0,) for p in ("up", "gate", "down")}},
+     {"embed", "head", "blocks/layers/0/mlp/router", "blocks/layers/0/mlp/shared_gate_kernel",
+      "blocks/layers/0/attn/q_bias", "norm_final/scale"}),
+])
+def test_muon_trains_the_layers_matrices_and_adamw_the_rest(overrides, matrices, some_adamw):
+  """Which parameters each optimizer trains, and each matrix's input and output axes (the others are batch
+  axes: layers, experts, GPT-2's q/k/v). Embeddings, the head, norms, biases, the router and the shared
+  expert's gate (embed -> 1) stay with AdamW."""
+  found = muon_parameters(overrides)
+  assert {name: (m.inputs, m.outputs) for name, m in found.items() if m} == matrices
+  assert {name for name, m in found.items() if m is None} >= some_adamw
+
+
+def test_refuses_a_kernel_it_cannot_orient():
+  params = {"blocks": {"mix_kernel": jnp.zeros((2, 4, 4))}}
+  logical = {"blocks": {"mix_kernel": jax.sharding.PartitionSpec("layers", "heads", "mlp")}}
+  with pytest.raises(ValueError, match=r"^optimizer.name='muon' cannot tell the input from the output of "
+                                       r"\['blocks'\]\['mix_kernel'\] \(logical axes \('layers', 'heads', 'mlp'\)\)"
+                                       r": Muon orthogonalises kernels whose `embed` axis comes first or last") as e:
+    muon.matrices(params, logical)
+  assert "\n" not in str(e.value)
+
+
+def test_the_update_has_adamw_s_rms():
+  # Liu et al.'s scale: rms x sqrt(max(fan_in, fan_out)) on a semi-orthogonal matrix, whose RMS is
+  # 1 / sqrt(max(fan_in, fan_out)), gives an RMS of rms = 0.2 whatever the shape (x the singular values'
+  # spread around 1).
+  for shape in ((64, 256), (256, 64), (96, 96)):
+    transform = muon.scale_by_muon([muon.Matrix((0,), (1,))], beta=0.95, steps=5, rms=0.2)
+    grads = jax.random.normal(jax.random.key(1), shape)
+    update, _ = transform.update(grads, transform.init(grads))
+    rms = float(jnp.sqrt(jnp.mean(update ** 2)))
+    assert 0.17 < rms < 0.21, (shape, rms)
+
+
+LAYOUTS = {
+    "data=8": {"mesh.data": 8},
+    "zero1 data=8": {"mesh.data": 8, "sharding.zero": 1},
+    "fsdp data=8": {"mesh.data": 8, "sharding.zero": 3},
+    "hsdp data=8 in groups of 4": {"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4},
+    "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4},
+    "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2},
+    "fsdp data=4 x tensor=2, the partitioner splitting the iteration": {
+        "mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3, "optimizer.muon_gather": False},
+    "experts: data=2 x expert=2 x tensor=2, fsdp": {**EXPERTS, "mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2,
+                                                    "sharding.zero": 3},
+}
+
+
+def params_after_steps(overrides, devices, steps=STEPS):
+  config, layout, state, _ = setup({**MUON, **overrides}, devices)
+  return jax.device_get(train_steps(config, layout, state, steps)["params"])
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """Muon's parameters on one device, dense and with experts."""
+  single = jax.devices()[:1]
+  return {"dense": params_after_steps({}, single), "experts": params_after_steps(EXPERTS, single),
+}
+
+
+def test_muon_moves_the_matrices_unlike_adamw():
+  """Two steps (warmup's lr is 0 at the first): both runs see the same two gradients, so AdamW's parameters
+  move alike under both and Muon's matrices do not."""
+  single = jax.devices()[:1]
+  initial, runs = params_after_steps({}, single, 0), {name: params_after_steps({"optimizer.name": name}, single, 2)
+                                                     for name in ("muon", "adamw")}
+  moved = lambda run: run["blocks"]["mlp"]["up_kernel"] - initial["blocks"]["mlp"]["up_kernel"]
+  assert np.abs(moved(runs["muon"]) - moved(runs["adamw"])).max() > 0.5 * np.abs(moved(runs["adamw"])).max()
+  assert_params_close(runs["muon"]["embed"], runs["adamw"]["embed"], "the embedding, AdamW's under both")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_device(name, one_device):
+  overrides = LAYOUTS[name]
+  reference = one_device["experts" if overrides.get("moe.experts") else "dense"]
+  assert_params_close(params_after_steps(overrides, jax.devices()), reference, f"{name}: parameter after {STEPS} steps")
+
+
+def test_gathering_each_matrix_sends_fewer_bytes_than_splitting_the_iteration():
+  """On fsdp data=8 the gathered iteration adds one all-gather of the matrices' momentum (4 bytes x 98304
+  elements x 7/8 = 344064, as the estimate says), where the partitioner, left to split the iteration's
+  matmuls, gathers each iterate again: 12 times the bytes (4157520), for 1/6.5 of the iteration's FLOPs (each
+  device iterating on every matrix whole is 157 MFLOPs a step, 3.3 times this tiny model's training FLOPs;
+  at GPT-2 124M's 0.5M-token batches it would be under 1%)."""
+  sent, flops = {}, {}
+  for gather in (True, False):
+    config = tiny_config(**MUON, **{"mesh.data": 8, "sharding.zero": 3, "optimizer.muon_gather": gather})
+    layout = plan(config)
+    program, partitioned = compile_partitioned_train_step(layout, config)
+    sent[gather] = sum(analysis.traffic_per_step(analysis.collectives(program, layout.mesh, partitioned)).values())
+    flops[gather] = analysis.matmul_flops(program, partitioned)
+  adamw = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
+  mesh, weights = dict(plan(adamw).mesh.shape), model_weights(adamw)
+  baseline = sum(estimate.collectives(adamw, mesh, weights).values())
+  training = estimate.flops(adamw, mesh, weights)["total"]
+  assert sent[False] - baseline > 10 * (sent[True] - baseline), (sent, baseline)
+  assert flops[True] - training > 5 * (flops[False] - training), (flops, training)
