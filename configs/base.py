@@ -26,6 +26,9 @@ def base() -> ml_collections.ConfigDict:
   # hf:<directory>: start from a Hugging Face GPT-2 or Llama checkpoint (config.json + safetensors),
   # whose config.json sets the model fields; empty: random initialisation.
   c.init_from = ""
+  # "<workdir>:<step>": start from another run's whole state (weights, optimizer, step) at that checkpoint,
+  # which is left as it is: e.g. a WSD decay from a stable run, into a workdir of its own
+  c.branch_from = ""
   # "FIRST,LAST": a jax.profiler trace of steps FIRST..LAST (1-based, inclusive, as logged) into
   # <workdir>/profile, for TensorBoard's profile plugin or ui.perfetto.dev; empty: no trace
   c.profile_steps = ""
@@ -165,8 +168,11 @@ def base() -> ml_collections.ConfigDict:
 
   c.schedule = ml_collections.ConfigDict()
   c.schedule.warmup_steps = 30
-  c.schedule.decay = "cosine"  # cosine | constant
+  # cosine | constant | wsd (warmup-stable-decay: the peak rate until the last decay_steps, then linearly to
+  # final_lr_ratio x lr; a stable run's checkpoint decays into any shorter budget: branch_from)
+  c.schedule.decay = "cosine"
   c.schedule.final_lr_ratio = 0.1
+  c.schedule.decay_steps = 0  # wsd: the final decay's steps
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic

@@ -3,6 +3,7 @@ the steps a stepper takes (training/stepper.py: on the mesh as planned, or survi
 
 import contextlib
 import time
+from pathlib import Path
 
 import jax
 from tqdm import tqdm
@@ -70,6 +71,7 @@ def train(config, dry_run: bool = False) -> dict:
     refuse_on_cpu()
   # Synthetic data carries no text: its checkpoints record no tokenizer, and resume on any.
   synthetic = train_split.origin == "synthetic"
+  branch, branch_step = _open_branch(config.branch_from, config.workdir)
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
                             joining=joining, tokenizer=None if synthetic else tokenizer_record(text_tokenizer),
                             surviving_log=_log if surviving else None)
@@ -81,8 +83,15 @@ def train(config, dry_run: bool = False) -> dict:
       if start is not None:
         _check_not_past(start, config.steps, checkpoints)
         checkpoints.check_tokenizer(start, train_split.origin)
+      elif branch is not None:
+        _check_not_past(branch_step, config.steps, branch)
+        branch.check_tokenizer(branch_step, train_split.origin)
       if joining:  # never process 0, which hosts the coordination service: process 0 logs the rejoin
         state = None  # the stepper receives it from the live processes
+      elif start is None and branch is not None:
+        with ledger.timing("checkpoint_restore"):
+          state = _restore_good(branch, branch_step, abstract_inputs(layout, config)[0], set_aside=False)
+        _log(f"branching from step {branch_step} in {branch.directory}, which is left as it is")
       elif start is None and pretrained is not None:
         _log(f"initialising from {pretrained.describe(layout.model)}")
         state = state_from_params(layout, pretrained.load_params(layout))
@@ -105,13 +114,37 @@ def train(config, dry_run: bool = False) -> dict:
         last = _run(config, stepper, checkpoints, stop, text_tokenizer, ledger)
   finally:
     checkpoints.close()
+    if branch is not None:
+      branch.close()
   if config.fault_tolerance == "survive" and jax.process_count() > 1:
     leave_together(jax.devices())
   return last
 
 
-def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
-  """Restores `step`, refusing a damaged one; later checkpoints (another timeline) are set aside."""
+def _open_branch(branch_from: str, workdir: str) -> tuple[Checkpoints | None, int]:
+  """The checkpoints `branch_from` ("<workdir>:<step>") names and its step, checked before anything is
+  written; (None, 0) without one."""
+  if not branch_from:
+    return None, 0
+  source, _, step = branch_from.rpartition(":")
+  if not source or not step.isdigit():
+    raise ValueError(f"branch_from={branch_from!r} is not <workdir>:<step>; e.g. runs/stable:800.")
+  if Path(source).resolve() == Path(workdir).resolve():
+    raise ValueError(f"branch_from={branch_from!r} names this run's own workdir; resume it with "
+                     f"--config.resume={step}, or branch into another --config.workdir.")
+  if not (Path(source) / "checkpoints").is_dir():
+    raise ValueError(f"branch_from={branch_from!r}: {source} holds no checkpoints; name a run's workdir.")
+  branch = Checkpoints(source, every=0, keep=None)
+  if int(step) not in branch.steps():
+    branch.close()
+    raise ValueError(f"branch_from={branch_from!r}: {branch.directory} holds no step {step} (it holds "
+                     f"{branch.steps()}); name one of those.")
+  return branch, int(step)
+
+
+def _restore_good(checkpoints: Checkpoints, step: int, abstract_state, set_aside: bool = True):
+  """Restores `step`, refusing a damaged one; later checkpoints (another timeline) are set aside, unless
+  the checkpoints are another run's (`set_aside` False: a branch leaves its source as it is)."""
   state = checkpoints.restore(step, abstract_state)
   changed = checkpoints.changed_leaf(step, state)  # bytes damaged into values that may well be finite
   damage = (f"has changed since it was saved ({changed} does not match its fingerprint)" if changed else
@@ -119,6 +152,8 @@ def _restore_good(checkpoints: Checkpoints, step: int, abstract_state):
   if damage:
     raise ValueError(f"checkpoint step {step} in {checkpoints.directory} {damage}, so it is damaged; "
                      f"it was left untouched: resume from an earlier one with {checkpoints.resume_before(step)}.")
+  if not set_aside:
+    return cast_like(state, abstract_state)
   # Left in place, a later step would never be rewritten (its number is taken) and would outlive
   # the good checkpoints in rotation; moved aside, it is kept but out of this run's way.
   moved, folder = checkpoints.set_aside_after(step)

@@ -32,6 +32,7 @@ class Recipe:
   config: str = "configs/gpt2.py:tiny"
   devices: int = 1  # simulated CPU devices (XLA flag); a GPU or TPU host uses its own
   columns: dict = dataclasses.field(default_factory=dict)  # extra table column -> fn(run's fields) -> str
+  target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""
@@ -71,6 +72,11 @@ RECIPES = {r.name: r for r in [
                   {"optimizer.name": "momentum", "optimizer.lr": 0.1},
                   {"optimizer.name": "adamw", "optimizer.lr": 3e-3}),
            fixed=SHORT_RUN),
+    # Muon's updates are scaled to AdamW's RMS (training/muon.py), so one grid of rates serves both.
+    Recipe("muon_vs_adamw",
+           "Muon against AdamW at equal tokens, each over the same four peak rates.",
+           grid=(("optimizer.name", ("adamw", "muon")), ("optimizer.lr", (0.001, 0.003, 0.01, 0.03))),
+           fixed=SHORT_RUN, target_loss=3.0),
     # float16 (with loss scaling) joins as one more value of precision.compute.
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",

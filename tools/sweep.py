@@ -129,6 +129,12 @@ def summarize(workdir: Path, marker: dict) -> dict:
   }
 
 
+def steps_to(workdir: Path, target: float) -> str:
+  """The first logged step whose train loss is at most `target` (log_every apart), or "not reached"."""
+  train, _ = read_metrics(workdir)
+  return next((str(r["step"]) for r in train if r["loss"] <= target), "not reached")
+
+
 def write_tables(rows: list[dict], out: Path) -> str:
   """results.csv and results.md in `out`; returns the markdown."""
   header = list(rows[0])
@@ -181,9 +187,10 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
     if not marker["finished"]:
       failed.append(name)
     label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
+    reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
     rows.append({**{k: fields[k] for k in varied},
                  **{column: describe(fields) for column, describe in recipe.columns.items()},
-                 **summarize(workdir, marker)})
+                 **summarize(workdir, marker), **reached})
     curves.append((label, workdir))
   markdown = write_tables(rows, out)
   plot(curves, recipe.name, figure or out / "loss.png")

@@ -21,7 +21,7 @@ shards belong to (over `data` and `tensor`; the batch axes stay split, so a
 stage orthogonalises its own layers and an expert device its own experts),
 iterates, and keeps its own shard: one all-gather of each matrix's momentum,
 against 2 x 5 all-reduces of its m x m Gram matrix when the partitioner
-splits the iteration's matmuls (docs/optimizers.md#muon weighs the two).
+splits the iteration's matmuls (docs/research.md#muon weighs the two).
 """
 
 import math

@@ -10,15 +10,28 @@ OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon")
 
 
 def learning_rate(config) -> optax.Schedule:
-  """Linear warmup from 0, then cosine decay to final_lr_ratio * lr (or constant)."""
+  """Linear warmup from 0, then cosine decay to final_lr_ratio * lr, a constant, or WSD's stable rate and
+  linear decay over the last schedule.decay_steps."""
   opt, sched = config.optimizer, config.schedule
   if sched.decay == "constant":
     after_warmup = optax.constant_schedule(opt.lr)
   elif sched.decay == "cosine":
     decay_steps = max(config.steps - sched.warmup_steps, 1)
     after_warmup = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=sched.final_lr_ratio)
+  elif sched.decay == "wsd":
+    # Warmup-stable-decay (Hu et al. 2024, MiniCPM): the decay depends on the budget only through where it
+    # starts, so every step before it is the same whatever `steps` is, and a stable run's checkpoint there
+    # decays into that budget (config.branch_from).
+    stable = config.steps - sched.warmup_steps - sched.decay_steps
+    if sched.decay_steps < 1 or stable < 0:
+      raise ValueError(f"schedule.decay_steps={sched.decay_steps} must be at least 1 and at most steps - "
+                       f"warmup_steps = {config.steps - sched.warmup_steps} under schedule.decay='wsd'; about a "
+                       "fifth of the steps is usual.")
+    after_warmup = optax.join_schedules(
+        [optax.constant_schedule(opt.lr),
+         optax.linear_schedule(opt.lr, opt.lr * sched.final_lr_ratio, sched.decay_steps)], [stable])
   else:
-    raise ValueError(f"schedule.decay={sched.decay!r} is unknown; use cosine or constant.")
+    raise ValueError(f"schedule.decay={sched.decay!r} is unknown; use cosine, constant or wsd.")
   if sched.warmup_steps <= 0:
     return after_warmup
   warmup = optax.linear_schedule(0.0, opt.lr, sched.warmup_steps)
