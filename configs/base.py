@@ -166,6 +166,10 @@ def base() -> ml_collections.ConfigDict:
   c.optimizer.muon_rms = 0.2  # the update's RMS, AdamW's (Liu et al. 2025)
   c.optimizer.muon_gather = True  # gather each matrix's momentum to orthogonalise it; False: XLA splits the matmuls
 
+  # muP (model/mup.py): a width W parametrised against a base width, so that its learning rate is the base's
+  c.mup = ml_collections.ConfigDict()
+  c.mup.base_width = 0  # 0: the standard parametrisation; else a divisor of model.embed_dim in whole heads
+
   c.schedule = ml_collections.ConfigDict()
   c.schedule.warmup_steps = 30
   # cosine | constant | wsd (warmup-stable-decay: the peak rate until the last decay_steps, then linearly to

@@ -7,9 +7,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from measure import analysis, estimate, tiers
+from model.hidden import matrix_sides
 from parallel import schedules
 from parallel.mesh import PIPELINE, slow_tier_shape
-from training import muon
 from training.state import Layout, abstract_inputs, build_model, model_config, param_count
 from training.step import make_train_step
 
@@ -39,7 +39,7 @@ def model_weights(config) -> list[estimate.Weight]:
     params = nnx.state(nnx.eval_shape(lambda: build_model(model_config(config), config.seed)), nnx.Param)
   is_spec = lambda x: isinstance(x, P)
   specs = jax.tree.leaves(nnx.to_pure_dict(nnx.get_partition_spec(params)), is_leaf=is_spec)
-  return [estimate.Weight(tuple(x.shape), tuple(s), muon.matrix_sides(path, tuple(s)))
+  return [estimate.Weight(tuple(x.shape), tuple(s), matrix_sides(path, tuple(s)))
           for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)), specs, strict=True)]
 
 

@@ -80,6 +80,7 @@ class ModelConfig:
   moe_renormalize: bool = True  # the k chosen experts' weights scaled to sum to one (Mixtral); False: softmax's own
   moe_balance_weight: float = 0.01
   moe_z_weight: float = 0.001
+  mup_base_width: int = 0  # muP's base width (model/mup.py); 0: the standard parametrisation
 
   @property
   def layers_per_unit(self) -> int:
@@ -127,6 +128,16 @@ class ModelConfig:
     return jnp.dtype("bfloat16" if self.fp8 else self.compute_dtype)
 
   @property
+  def width_multiplier(self) -> float:
+    """muP's m: the width over the base width (1 without muP)."""
+    return self.embed_dim / self.mup_base_width if self.mup_base_width else 1.0
+
+  @property
+  def output_multiplier(self) -> float:
+    """What the logits are multiplied by: muP's 1 / m (1 without muP)."""
+    return 1 / self.width_multiplier
+
+  @property
   def fp8(self) -> bool:
     return self.compute_dtype == "float8"
 
@@ -171,6 +182,8 @@ class ModelConfig:
                        "packed documents.")
     if self.num_experts:
       self._check_moe()
+    if self.mup_base_width:
+      self._check_mup()
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
@@ -200,6 +213,16 @@ class ModelConfig:
     if self.rope_type == "dynamic" and self.rope_original_max_len <= 0:
       raise ValueError(f"model.rope_type='dynamic' needs rope_original_max_len > 0, the context past which the "
                        f"rotary base grows; it is {self.rope_original_max_len}.")
+
+  def _check_mup(self):
+    base, width = self.mup_base_width, self.embed_dim
+    if base < 0 or width % base or (self.num_heads * base) % width:
+      raise ValueError(f"mup.base_width={base} must divide model.embed_dim={width} into a base model of whole heads "
+                       f"as wide as these (model.num_heads={self.num_heads}), e.g. {width // self.num_heads}; or "
+                       "leave it at 0 for the standard parametrisation.")
+    if self.num_experts:
+      raise ValueError(f"mup.base_width={base} with moe.experts={self.num_experts}: muP for the router and experts "
+                       "is not built; train the dense model, or leave mup.base_width at 0.")
 
   def _check_moe(self):
     if self.num_experts < 0:

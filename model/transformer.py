@@ -139,7 +139,7 @@ _rows_in.defvjp(_rows_in_forward, _rows_in_backward)
 
 def masked_vocab(logits_BTV, cfg: ModelConfig):
   """Float32 logits in which the vocabulary's padding can never be predicted."""
-  logits_BTV = constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
+  logits_BTV = constrain(logits_BTV.astype(jnp.float32) * cfg.output_multiplier, ("batch", "length", "vocab"))
   real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
   return jnp.where(real_V, logits_BTV, jnp.finfo(jnp.float32).min)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tools import sweep
-from tools.recipes import RECIPES, Recipe
+from tools.recipes import RECIPES, WSD_STABLE, Recipe
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -73,3 +73,13 @@ def test_bad_sweep_flags_are_one_line(args, says):
                           text=True, timeout=120)
   message = result.stderr.strip()
   assert result.returncode == 1 and message.startswith(f"error: {says}") and "\n" not in message, message
+
+
+def test_the_wsd_recipe_branches_from_its_own_stable_run(tmp_path):
+  recipe = RECIPES["wsd"]
+  stable, *others = recipe.runs()
+  assert sweep.run_name(stable) == WSD_STABLE
+  branched = [sweep.train_command(recipe, fields, tmp_path / sweep.run_name(fields)) for fields in others
+              if fields["branch_from"]]
+  assert [c for command in branched for c in command if c.startswith("--config.branch_from=")] == [
+      f"--config.branch_from={tmp_path / WSD_STABLE}:60", f"--config.branch_from={tmp_path / WSD_STABLE}:100"]

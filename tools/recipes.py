@@ -51,6 +51,9 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
                   "checkpoint.every": 40}
 
 
+WSD_STABLE = "schedule.decay=wsd,steps=200,branch_from=,seed=0"  # the wsd recipe's stable run's folder
+
+
 def _bubble(formula):
   """A table column: `formula` (schedules.bubble_over_total or _over_ideal) at the run's micro-batch count."""
   stages = int(PIPELINE_FIXED["mesh.pipeline"])
@@ -77,6 +80,15 @@ RECIPES = {r.name: r for r in [
            "Muon against AdamW at equal tokens, each over the same four peak rates.",
            grid=(("optimizer.name", ("adamw", "muon")), ("optimizer.lr", (0.001, 0.003, 0.01, 0.03))),
            fixed=SHORT_RUN, target_loss=3.0),
+    # The decays branch from the first run's checkpoints, which sit in the same sweep folder ({out}).
+    Recipe("wsd",
+           "Warmup-stable-decay against cosine at budgets of 80 and 120 steps, WSD's decays branched from one "
+           "200-step run's stable phase.",
+           cases=tuple({"schedule.decay": decay, "steps": steps, "branch_from": branch} for decay, steps, branch in (
+               ("wsd", 200, ""), ("wsd", 80, f"{{out}}/{WSD_STABLE}:60"), ("wsd", 120, f"{{out}}/{WSD_STABLE}:100"),
+               ("cosine", 80, ""), ("cosine", 120, ""))),
+           fixed={**SHORT_RUN, "schedule.decay_steps": 20, "eval_every": 40, "checkpoint.every": 20,
+                  "checkpoint.keep": 10}),
     # float16 (with loss scaling) joins as one more value of precision.compute.
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",

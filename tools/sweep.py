@@ -72,7 +72,8 @@ def run_name(fields: dict) -> str:
 
 
 def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
-  settings = {**recipe.fixed, **fields}
+  """The run's train.py command; `{out}` in a value is the sweep's folder (a branch names a sibling run)."""
+  settings = {k: str(v).replace("{out}", str(workdir.parent)) for k, v in {**recipe.fixed, **fields}.items()}
   return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
           *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}",
           f"--config.wandb.group={recipe.name}"]  # a sweep's runs side by side when W&B is on

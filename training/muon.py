@@ -7,13 +7,10 @@ for LLM Training", 2025) do, the result is scaled by rms x sqrt(max(fan_in,
 fan_out)), so that its RMS is AdamW's (about 0.2) and one learning rate and
 one decoupled weight decay serve both groups.
 
-Which parameters are matrices comes from their logical axes: a kernel of the
-blocks whose `embed` axis is first (its input: q, k, v, QKV, MLP up and gate)
-or last (its output: the attention output, MLP down) among its matrix axes,
-the others being its output or input side. `layers`, `expert` and unnamed
-axes (GPT-2's q/k/v) are batch axes: each layer, expert and projection is a
-matrix of its own. Embeddings, the head, norms, biases, the MoE router and a
-shared expert's gate (a matrix with one output) stay with AdamW.
+The matrices are the layers' hidden matrices (model/hidden.py): each layer's,
+expert's and GPT-2 projection's kernel is a matrix of its own. Embeddings, the
+head, norms, biases, the MoE router and a shared expert's gate (a matrix with
+one output) stay with AdamW.
 
 The iteration needs each whole matrix, which ZeRO-1/3 and tensor parallelism
 split over devices. Each device gathers the momentum of the matrices its
@@ -32,13 +29,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from model.hidden import matrix_sides
 from parallel import rules
 from parallel.mesh import EXPERT, PIPELINE
 
 # Keller Jordan's quintic: its slope at zero is as steep as it can be while the singular values still land in
 # about [0.7, 1.2] after five steps, which does not hurt training (modded-nanogpt).
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
-BATCH_AXES = ("layers", "expert", None)  # axes along which a kernel holds separate matrices
 # Where a matrix's axes live while it is orthogonalised: only its batch axes stay split.
 GATHERED_RULES = (("layers", PIPELINE), ("expert", EXPERT), ("vocab", None), ("heads", None), ("kv_heads", None),
                   ("mlp", None), ("head_dim", None), ("embed", None))
@@ -51,24 +48,6 @@ class Matrix(NamedTuple):
   outputs: tuple[int, ...]
   gathered: NamedSharding | None = None
   kept: NamedSharding | None = None
-
-
-def matrix_sides(path, axes) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-  """(input axes, output axes) of a Muon parameter from its tree path and logical axes; None for AdamW's."""
-  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-  if keys[0] != "blocks" or not keys[-1].endswith("kernel"):
-    return None
-  matrix = [i for i, name in enumerate(axes) if name not in BATCH_AXES]
-  names = [axes[i] for i in matrix]
-  if names[:1] == ["embed"]:
-    sides = (tuple(matrix[:1]), tuple(matrix[1:]))
-  elif names[-1:] == ["embed"]:
-    sides = (tuple(matrix[:-1]), tuple(matrix[-1:]))
-  else:
-    raise ValueError(f"optimizer.name='muon' cannot tell the input from the output of {jax.tree_util.keystr(path)} "
-                     f"(logical axes {tuple(axes)}): Muon orthogonalises kernels whose `embed` axis comes first or "
-                     "last; name its axes so, or train it with adamw.")
-  return sides if all(sides) else None  # one side only: a gate (embed -> 1), not a matrix
 
 
 def matrices(params, logical, mesh=None, moment_rules=None) -> dict:

@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from model import mup
 from training import muon
 
 OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon")
+MUP_OPTIMIZERS = ("adamw", "adam", "adam_l2")  # muP's learning-rate scaling (model/mup.py) is Adam's
 
 
 def learning_rate(config) -> optax.Schedule:
@@ -76,6 +78,10 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
   opt = config.optimizer
   lr = learning_rate(config)
   mask = decay_mask(params, config)
+  if config.mup.base_width and opt.name not in MUP_OPTIMIZERS:
+    raise ValueError(f"mup.base_width={config.mup.base_width} scales Adam's learning rates; optimizer.name="
+                     f"{opt.name!r} would need its own (muP's SGD and Muon scalings are not built): use one of "
+                     f"{', '.join(MUP_OPTIMIZERS)}, or leave mup.base_width at 0.")
   if opt.name == "muon":
     described = muon.matrices(params, logical, mesh if opt.muon_gather else None, moment_rules)
     rule = muon.muon(config, lr, lambda p: decay_mask(p, config), described)
@@ -93,6 +99,9 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
     rule = optax.sgd(lr, momentum=opt.momentum)
   else:
     raise ValueError(f"optimizer.name={opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
+  if config.mup.base_width:
+    rule = optax.chain(rule, _scaled_by(mup.learning_rate_factors(
+        params, logical, config.model.embed_dim / config.mup.base_width)))
   if config.precision.moments not in ("float32", "bfloat16"):
     raise ValueError(f"precision.moments={config.precision.moments!r} is unknown; use float32 or bfloat16.")
   if config.precision.moments == "bfloat16":
@@ -100,6 +109,11 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
   # Clipping is always in the chain (at an infinite norm when off), so a checkpoint's
   # optimizer state has the same structure whatever the clipping setting.
   return optax.chain(optax.clip_by_global_norm(opt.clip_norm if opt.clip_norm > 0 else float("inf")), rule)
+
+
+def _scaled_by(factors) -> optax.GradientTransformation:
+  """Each parameter's update times its factor: per-parameter learning rates (muP's)."""
+  return optax.stateless(lambda updates, params=None: jax.tree.map(lambda u, f: u * f, updates, factors))
 
 
 def stored_as(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:

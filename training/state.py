@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from model import mup
 from model.config import ModelConfig
 from model.gpt2 import GPT2
 from model.llama import Llama
@@ -36,11 +37,12 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
                      moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_shared_width=moe.shared_width,
-                     moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight)
+                     moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight,
+                     mup_base_width=config.mup.base_width)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
-  return MODEL_FAMILIES[cfg.family](cfg, nnx.Rngs(params=seed))
+  return mup.scale_initialization(MODEL_FAMILIES[cfg.family](cfg, nnx.Rngs(params=seed)))
 
 
 @dataclasses.dataclass(frozen=True)
