@@ -150,7 +150,7 @@ def base() -> ml_collections.ConfigDict:
   c.sharding.fsdp_group = 0
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum | muon
+  c.optimizer.name = "adamw"  # adamw | adam | adam_l2 | sgd | momentum | muon | schedule_free_adamw
   c.optimizer.lr = 1e-3
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95

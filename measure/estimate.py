@@ -43,7 +43,8 @@ from training import muon
 from training.state import build_model, model_config
 
 # Moments per weight: Muon keeps one (its momentum) for the matrices it trains and AdamW's two for the rest.
-ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0, "muon": 2}
+# Schedule-free AdamW keeps z (a copy of the weights) and Adam's v.
+ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0, "muon": 2, "schedule_free_adamw": 2}
 F32_BYTES = np.dtype(np.float32).itemsize
 INT32_BYTES = np.dtype(np.int32).itemsize
 MASTER_BYTES = F32_BYTES  # master weights and their gradients are float32 whatever the compute dtype

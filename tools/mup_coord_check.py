@@ -1,28 +1,31 @@
 """muP's coordinate check: how big activations get over the first steps of Adam, at several widths.
 
-  python tools/mup_coord_check.py --widths 64,128,256,512 --steps 5 --out docs/mup_coord_check.png
+  python tools/mup_coord_check.py --widths 64,128,256,512 --steps 5 --write docs
 
 Each width trains the tiny model (heads of 16, the MLP 4x the width) for a few steps at one learning rate,
 under the standard parametrisation and under muP with the narrowest width as its base (model/mup.py). After
 each step it measures the RMS of one batch's coordinates: the last block's output (the residual stream
 before the final norm) and the logits. Under the standard parametrisation they grow with the width as
 training moves them (each update of a hidden matrix sums over as many inputs as the width); under muP
-they stay flat, which is what lets a learning rate tuned narrow serve wide. The table is printed last.
+they stay flat, which is what lets a learning rate tuned narrow serve wide. The table is printed last;
+--write puts it, the figure and the command in docs/research.md's mup_coord_check block.
 """
 
+import platform
 import sys
+from importlib import metadata
 from pathlib import Path
 
 # `python tools/mup_coord_check.py` puts tools/ on sys.path, not the repo root that holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
 from configs import load  # pylint: disable=wrong-import-position
 from input_pipeline import data  # pylint: disable=wrong-import-position
+from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from training.state import init_state, plan  # pylint: disable=wrong-import-position
 from training.step import make_train_step  # pylint: disable=wrong-import-position
 
@@ -94,6 +97,7 @@ def plot(sizes: dict, path: Path) -> None:
       for step in range(len(by_width[widths[0]])):
         ax.plot(widths, [by_width[w][step][which] for w in widths], "o-", ms=3, label=f"step {step + 1}")
       ax.set(xscale="log", yscale="log", xlabel="width", title=f"{name}: {label}")
+      ax.minorticks_off()  # the log axes' minor labels would cover the widths'
       ax.set_xticks(widths, [str(w) for w in widths])
       ax.grid(alpha=0.3)
   axes[0].set_ylabel("RMS of the coordinates")
@@ -107,15 +111,25 @@ def plot(sizes: dict, path: Path) -> None:
 _WIDTHS = flags.DEFINE_list("widths", ["64", "128", "256", "512"], "Model widths; the narrowest is muP's base.")
 _STEPS = flags.DEFINE_integer("steps", 5, "AdamW steps.")
 _LR = flags.DEFINE_float("lr", 1e-2, "The constant learning rate, the same at every width.")
-_OUT = flags.DEFINE_string("out", "", "Where to write the figure (a .png); empty: none.")
+_WRITE = flags.DEFINE_string("write", "", "A docs folder: write mup_coord_check.png there and the table into "
+                              "its research.md's mup_coord_check block; empty: print only.")
 
 
 def main(argv):
   del argv
   sizes = check([int(w) for w in _WIDTHS.value], _LR.value, _STEPS.value)
-  if _OUT.value:
-    plot(sizes, Path(_OUT.value))
-  print(table(sizes), end="")
+  text = table(sizes)
+  if _WRITE.value:
+    docs = Path(_WRITE.value)
+    plot(sizes, docs / "mup_coord_check.png")
+    command = " ".join(["python tools/mup_coord_check.py", f"--widths {','.join(_WIDTHS.value)}",
+                        f"--steps {_STEPS.value}", f"--write {_WRITE.value}"])
+    made = (f"Made by `{command}` at lr {_LR.value:g} (jax {metadata.version('jax')}, {platform.machine()}, "
+            "float32 on one CPU device).")
+    page = docs / "research.md"
+    page.write_text(replace_block(page.read_text(), "mup_coord_check",
+                                  f"{text}\n![mup coordinate check](mup_coord_check.png)\n\n{made}\n"))
+  print(text, end="")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class Recipe:
   devices: int = 1  # simulated CPU devices (XLA flag); a GPU or TPU host uses its own
   columns: dict = dataclasses.field(default_factory=dict)  # extra table column -> fn(run's fields) -> str
   target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
+  versus: str = ""  # a field: the figure plots final validation loss against it, a line per other setting
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""
@@ -51,7 +52,7 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
                   "checkpoint.every": 40}
 
 
-WSD_STABLE = "schedule.decay=wsd,steps=200,branch_from=,seed=0"  # the wsd recipe's stable run's folder
+WSD_STABLE = "optimizer.name=adamw,schedule.decay=wsd,steps=200,branch_from=,seed=0"  # the wsd recipe's stable run's folder
 
 
 def _bubble(formula):
@@ -82,13 +83,24 @@ RECIPES = {r.name: r for r in [
            fixed=SHORT_RUN, target_loss=3.0),
     # The decays branch from the first run's checkpoints, which sit in the same sweep folder ({out}).
     Recipe("wsd",
-           "Warmup-stable-decay against cosine at budgets of 80 and 120 steps, WSD's decays branched from one "
-           "200-step run's stable phase.",
-           cases=tuple({"schedule.decay": decay, "steps": steps, "branch_from": branch} for decay, steps, branch in (
-               ("wsd", 200, ""), ("wsd", 80, f"{{out}}/{WSD_STABLE}:60"), ("wsd", 120, f"{{out}}/{WSD_STABLE}:100"),
-               ("cosine", 80, ""), ("cosine", 120, ""))),
+           "Warmup-stable-decay against cosine and schedule-free AdamW at budgets of 80 and 120 steps, WSD's "
+           "decays branched from one 200-step run's stable phase.",
+           cases=tuple({"optimizer.name": name, "schedule.decay": decay, "steps": steps, "branch_from": branch}
+                       for name, decay, steps, branch in (
+                           ("adamw", "wsd", 200, ""), ("adamw", "wsd", 80, f"{{out}}/{WSD_STABLE}:60"),
+                           ("adamw", "wsd", 120, f"{{out}}/{WSD_STABLE}:100"), ("adamw", "cosine", 80, ""),
+                           ("adamw", "cosine", 120, ""), ("schedule_free_adamw", "constant", 80, ""),
+                           ("schedule_free_adamw", "constant", 120, ""))),
            fixed={**SHORT_RUN, "schedule.decay_steps": 20, "eval_every": 40, "checkpoint.every": 20,
                   "checkpoint.keep": 10}),
+    # Widths grow by heads of 16 with the MLP 4x the width; muP's base is the narrowest (model/mup.py).
+    Recipe("mup",
+           "Validation loss against the learning rate at three widths: the standard parametrisation's best rate "
+           "moves with the width, muP's stays.",
+           cases=tuple({"mup.base_width": base, "model.embed_dim": width, "model.num_heads": width // 16,
+                        "model.mlp_dim": 4 * width, "optimizer.lr": lr}
+                       for base in (0, 64) for width in (64, 128, 256) for lr in (1e-3, 3e-3, 1e-2, 3e-2)),
+           fixed=SHORT_RUN, versus="optimizer.lr"),
     # float16 (with loss scaling) joins as one more value of precision.compute.
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",

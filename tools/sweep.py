@@ -150,25 +150,48 @@ def write_tables(rows: list[dict], out: Path) -> str:
   return markdown
 
 
+def _axes():
+  """A figure of the sweeps' size and its axes, drawn to files only (no display)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt.subplots(figsize=(6.4, 3.6), dpi=100)
+
+
+def _save(figure, axes, path: Path, legend_size: int) -> None:
+  import matplotlib.pyplot as plt
+  axes.grid(alpha=0.3)
+  axes.legend(fontsize=legend_size, frameon=False)
+  figure.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(path)
+  plt.close(figure)
+
+
 def plot(runs: list[tuple[str, Path]], title: str, path: Path) -> None:
   """Train loss as lines and validation loss as dots, one colour per run."""
-  import matplotlib
-  matplotlib.use("Agg")  # files only, no display
-  import matplotlib.pyplot as plt
-
-  figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+  figure, axes = _axes()
   for index, (label, workdir) in enumerate(runs):
     train, evals = read_metrics(workdir)
     colour = f"C{index % 10}"
     axes.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, lw=1.2, label=label)
     axes.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=colour, ms=4)
   axes.set(xlabel="step", ylabel="loss (nats/token); dots: validation", title=title)
-  axes.grid(alpha=0.3)
-  axes.legend(fontsize=7, frameon=False)
-  figure.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  figure.savefig(path)
-  plt.close(figure)
+  _save(figure, axes, path, 7)
+
+
+def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, path: Path) -> None:
+  """Final validation loss against `field`, one line per setting of the other `varied` fields (log x)."""
+  lines = {}
+  for row in rows:
+    if row["final val loss"]:
+      label = ", ".join(f"{k.split('.')[-1]}={row[k]}" for k in varied if k != field)
+      lines.setdefault(label, []).append((float(row[field]), float(row["final val loss"])))
+  figure, axes = _axes()
+  for index, (label, points) in enumerate(lines.items()):
+    axes.plot(*zip(*sorted(points)), "o-", color=f"C{index % 10}", ms=4, lw=1.2, label=label)
+  axes.set(xscale="log", xlabel=field, ylabel="final validation loss (nats/token)", title=title)
+  _save(figure, axes, path, 6)
 
 
 def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> str:
@@ -194,7 +217,10 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
                  **summarize(workdir, marker), **reached})
     curves.append((label, workdir))
   markdown = write_tables(rows, out)
-  plot(curves, recipe.name, figure or out / "loss.png")
+  if recipe.versus:
+    plot_versus(rows, varied, recipe.versus, recipe.name, figure or out / "loss.png")
+  else:
+    plot(curves, recipe.name, figure or out / "loss.png")
   if failed:
     raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)}; rerun the sweep to retry them.")
   return markdown

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import optax
 
 from model import mup
-from training import muon
+from training import muon, schedule_free
 
-OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon")
+OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon", "schedule_free_adamw")
 MUP_OPTIMIZERS = ("adamw", "adam", "adam_l2")  # muP's learning-rate scaling (model/mup.py) is Adam's
 
 
@@ -85,6 +85,14 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
   if opt.name == "muon":
     described = muon.matrices(params, logical, mesh if opt.muon_gather else None, moment_rules)
     rule = muon.muon(config, lr, lambda p: decay_mask(p, config), described)
+  elif opt.name == "schedule_free_adamw":
+    if config.schedule.decay != "constant":
+      raise ValueError(f"optimizer.name='schedule_free_adamw' averages its iterates in place of a decay; set "
+                       f"schedule.decay=constant (warmup, then the peak rate), not {config.schedule.decay!r}.")
+    if config.precision.moments != "float32":
+      raise ValueError(f"precision.moments={config.precision.moments!r}: schedule-free's state holds z, a copy of "
+                       "the weights, which would be rounded; keep precision.moments=float32.")
+    rule = schedule_free.schedule_free_adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask)
   elif opt.name == "adamw":
     # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
     rule = optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)

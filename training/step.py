@@ -8,7 +8,7 @@ from flax import nnx
 from model.placement import placed
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
-from training import loss_scale
+from training import loss_scale, schedule_free
 from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
@@ -106,7 +106,9 @@ def make_train_step(layout: Layout, config, donate: bool = True):
   def train_step(state, batch):
     scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
     with placed(placement.for_layout(layout)):
-      (loss, stats), grads = loss_and_grads(layout, state["params"], batch, grad_accum, scale)
+      # Schedule-free takes its gradient between the averaged weights the state holds and its base sequence.
+      at = schedule_free.gradient_point(state["opt_state"], state["params"])
+      (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = optax.tree.norm(grads)

@@ -1,0 +1,78 @@
+"""Schedule-free AdamW (training/schedule_free.py): optax's method with the state holding x, the average.
+
+Against optax's own schedule_free (which holds y): the same gradients give the same y and the same
+x (its schedule_free_eval_params) to float32 rounding, 1e-6 relative. On a mesh, parameters after STEPS
+steps equal one device's within 1e-5, as every optimizer's do (tests/test_equivalence.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import (assert_params_close, batch_at, objective_and_gradients, run_layout, setup, tiny_config,
+                     train_steps)
+from run.loop import train
+from training import schedule_free
+
+SCHEDULE_FREE = {"optimizer.name": "schedule_free_adamw", "schedule.decay": "constant"}
+
+
+def test_holding_the_average_is_optax_s_schedule_free_seen_from_x():
+  schedule = optax.linear_schedule(0.0, 0.05, 3)
+  target = {"w": jnp.linspace(-1.0, 2.0, 12).reshape(3, 4), "b": jnp.array([0.5, -0.25])}
+  loss = lambda p: sum(jnp.sum(jnp.cos(p[k]) * (p[k] - target[k]) ** 2) for k in p)
+  start = {"w": jnp.zeros((3, 4)), "b": jnp.ones(2)}
+  decays = {"w": True, "b": False}
+  ours = schedule_free.schedule_free_adamw(schedule, 0.9, 0.95, 1e-8, 0.1, decays)
+  theirs = optax.contrib.schedule_free(optax.adamw(schedule, b1=0.0, b2=0.95, eps=1e-8, weight_decay=0.1,
+                                                   mask=decays), schedule, b1=0.9)
+  x, x_state, y, y_state = start, ours.init(start), start, theirs.init(start)
+  for _ in range(8):
+    step, x_state = ours.update(jax.grad(loss)(schedule_free.gradient_point(x_state, x)), x_state, x)
+    x = optax.apply_updates(x, step)
+    step, y_state = theirs.update(jax.grad(loss)(y), y_state, y)
+    y = optax.apply_updates(y, step)
+  for k in start:
+    np.testing.assert_allclose(x[k], optax.contrib.schedule_free_eval_params(y_state, y)[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(schedule_free.gradient_point(x_state, x)[k], y[k], rtol=1e-6, atol=1e-7)
+  assert np.abs(x["w"] - y["w"]).max() > 1e-3  # the average and the gradient point are apart
+
+
+def test_the_train_step_takes_its_gradient_at_y():
+  """Three train steps equal three steps by hand whose gradients are taken at gradient_point, not at x."""
+  config, layout, state, _ = setup({**SCHEDULE_FREE, "mesh.data": 1}, jax.devices()[:1])
+  by_hand, grad_at = jax.device_get(state), objective_and_gradients(layout)
+  for i in range(3):
+    _, grads = grad_at(schedule_free.gradient_point(by_hand["opt_state"], by_hand["params"]), batch_at(config, layout, i))
+    updates, opt_state = layout.tx.update(grads, by_hand["opt_state"], by_hand["params"])
+    by_hand = {"params": optax.apply_updates(by_hand["params"], updates), "opt_state": opt_state}
+  stepped = train_steps(config, layout, state, 3)
+  assert_params_close(jax.device_get(stepped["params"]), jax.device_get(by_hand["params"]), "schedule-free steps")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return run_layout({**SCHEDULE_FREE, "mesh.data": 1}, jax.devices()[:1])[2]
+
+
+@pytest.mark.parametrize("layout", [{"mesh.data": 8, "sharding.zero": 1},
+                                    {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3}])
+def test_a_mesh_trains_as_one_device(one_device, layout):
+  assert_params_close(run_layout({**SCHEDULE_FREE, **layout}, jax.devices())[2], one_device,
+                      f"schedule-free on {layout}")
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"optimizer.name": "schedule_free_adamw"}, r"^optimizer.name='schedule_free_adamw' averages its iterates in "
+                                                r"place of a decay; set schedule.decay=constant"),
+    ({**SCHEDULE_FREE, "precision.moments": "bfloat16"}, r"^precision.moments='bfloat16': schedule-free's state "
+                                                         r"holds z, a copy of the weights"),
+])
+def test_refuses_a_decay_and_rounded_state(tmp_path, overrides, says):
+  config = tiny_config(**overrides, workdir=str(tmp_path / "run"))
+  with pytest.raises(ValueError, match=says) as raised:
+    train(config)
+  assert "\n" not in str(raised.value)
+  assert not (tmp_path / "run").exists()
