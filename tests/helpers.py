@@ -84,6 +84,12 @@ def train_steps(config, layout, state, steps):
   return state
 
 
+def params_after_steps(overrides, devices, steps=STEPS):
+  """The params after `steps` train steps from a fresh state on the layout (no gradient program compiled)."""
+  config, layout, state, _ = setup(overrides, devices)
+  return jax.device_get(train_steps(config, layout, state, steps)["params"])
+
+
 def run_layout(overrides, devices):
   """Loss and gradients of the first batch, and the params after STEPS train steps, on the given layout."""
   config, layout, state, batch = setup(overrides, devices)

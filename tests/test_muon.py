@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import STEPS, assert_params_close, setup, tiny_config, train_steps
+from helpers import STEPS, assert_params_close, params_after_steps, tiny_config
 from measure import analysis, estimate
 from measure.dry_run import compile_partitioned_train_step, model_weights
 from training import muon
@@ -101,16 +101,11 @@ LAYOUTS = {
 }
 
 
-def params_after_steps(overrides, devices, steps=STEPS):
-  config, layout, state, _ = setup({**MUON, **overrides}, devices)
-  return jax.device_get(train_steps(config, layout, state, steps)["params"])
-
-
 @pytest.fixture(scope="module")
 def one_device():
   """Muon's parameters on one device, dense and with experts."""
   single = jax.devices()[:1]
-  return {"dense": params_after_steps({}, single), "experts": params_after_steps(EXPERTS, single),
+  return {"dense": params_after_steps(MUON, single), "experts": params_after_steps({**MUON, **EXPERTS}, single),
 }
 
 
@@ -118,8 +113,8 @@ def test_muon_moves_the_matrices_unlike_adamw():
   """Two steps (warmup's lr is 0 at the first): both runs see the same two gradients, so AdamW's parameters
   move alike under both and Muon's matrices do not."""
   single = jax.devices()[:1]
-  initial, runs = params_after_steps({}, single, 0), {name: params_after_steps({"optimizer.name": name}, single, 2)
-                                                     for name in ("muon", "adamw")}
+  initial, runs = params_after_steps(MUON, single, 0), {name: params_after_steps({"optimizer.name": name}, single, 2)
+                                                       for name in ("muon", "adamw")}
   moved = lambda run: run["blocks"]["mlp"]["up_kernel"] - initial["blocks"]["mlp"]["up_kernel"]
   assert np.abs(moved(runs["muon"]) - moved(runs["adamw"])).max() > 0.5 * np.abs(moved(runs["adamw"])).max()
   assert_params_close(runs["muon"]["embed"], runs["adamw"]["embed"], "the embedding, AdamW's under both")
@@ -129,7 +124,8 @@ def test_muon_moves_the_matrices_unlike_adamw():
 def test_layout_matches_single_device(name, one_device):
   overrides = LAYOUTS[name]
   reference = one_device["experts" if overrides.get("moe.experts") else "dense"]
-  assert_params_close(params_after_steps(overrides, jax.devices()), reference, f"{name}: parameter after {STEPS} steps")
+  assert_params_close(params_after_steps({**MUON, **overrides}, jax.devices()), reference,
+                      f"{name}: parameter after {STEPS} steps")
 
 
 def test_gathering_each_matrix_sends_fewer_bytes_than_splitting_the_iteration():

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_params_close, run_layout, tiny_config
+from helpers import assert_params_close, params_after_steps, tiny_config
 from run.loop import train
-from tools import mup_coord_check
+from measure.coordinates import check
 from training.state import init_state, plan
 
 WIDTHS = [32, 64, 128]
@@ -20,7 +20,7 @@ WIDTHS = [32, 64, 128]
 
 @pytest.fixture(scope="module")
 def coordinates():
-  return mup_coord_check.check(WIDTHS, lr=1e-2, steps=3)
+  return check(WIDTHS, lr=1e-2, steps=3)
 
 
 def spread(by_width, which):
@@ -38,8 +38,8 @@ def test_coordinates_stay_flat_across_widths_under_mup_and_grow_without(coordina
 
 def test_the_base_width_is_the_standard_parametrisation():
   # m = 1: nothing scales, so muP at its base width trains exactly as the standard parametrisation.
-  standard = run_layout({"mesh.data": 1}, jax.devices()[:1])[2]
-  at_base = run_layout({"mesh.data": 1, "mup.base_width": 64}, jax.devices()[:1])[2]
+  standard = params_after_steps({"mesh.data": 1}, jax.devices()[:1])
+  at_base = params_after_steps({"mesh.data": 1, "mup.base_width": 64}, jax.devices()[:1])
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(at_base), jax.tree.leaves(standard)))
 
 
@@ -57,12 +57,17 @@ def test_wide_initialisation_and_learning_rates_follow_the_width():
 MUP = {"mup.base_width": 32, "model.embed_dim": 64}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+MESHES = {"gpt2": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
+          "llama": {"mesh.data": 2, "mesh.pipeline": 2, "mesh.sequence": 2}}
+
+
+@pytest.mark.parametrize("family", MESHES)
 def test_a_mup_model_on_a_mesh_matches_one_device(family):
+  mesh = MESHES[family]
   overrides = {**MUP, "model.family": family}
-  _, _, reference = run_layout({**overrides, "mesh.data": 1}, jax.devices()[:1])
-  _, _, params = run_layout({**overrides, "mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3}, jax.devices())
-  assert_params_close(params, reference, f"{family} under muP on fsdp data=4 x tensor=2")
+  reference = params_after_steps({**overrides, "mesh.data": 1}, jax.devices()[:1])
+  params = params_after_steps({**overrides, **mesh}, jax.devices())
+  assert_params_close(params, reference, f"{family} under muP on {mesh}")
 
 
 @pytest.mark.parametrize("overrides, says", [

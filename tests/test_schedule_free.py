@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import (assert_params_close, batch_at, objective_and_gradients, run_layout, setup, tiny_config,
-                     train_steps)
+from helpers import (assert_params_close, batch_at, objective_and_gradients, params_after_steps, setup,
+                     tiny_config, train_steps)
 from run.loop import train
 from training import schedule_free
 
@@ -54,14 +54,18 @@ def test_the_train_step_takes_its_gradient_at_y():
 
 @pytest.fixture(scope="module")
 def one_device():
-  return run_layout({**SCHEDULE_FREE, "mesh.data": 1}, jax.devices()[:1])[2]
+  return params_after_steps({**SCHEDULE_FREE, "mesh.data": 1}, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("layout", [{"mesh.data": 8, "sharding.zero": 1},
-                                    {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3}])
-def test_a_mesh_trains_as_one_device(one_device, layout):
-  assert_params_close(run_layout({**SCHEDULE_FREE, **layout}, jax.devices())[2], one_device,
-                      f"schedule-free on {layout}")
+LAYOUTS = {"zero1 data=8": {"mesh.data": 8, "sharding.zero": 1},
+           "fsdp data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
+           "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2}}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_mesh_trains_as_one_device(one_device, name):
+  assert_params_close(params_after_steps({**SCHEDULE_FREE, **LAYOUTS[name]}, jax.devices()), one_device,
+                      f"schedule-free on {name}")
 
 
 @pytest.mark.parametrize("overrides, says", [
