@@ -164,7 +164,8 @@ def base() -> ml_collections.ConfigDict:
   c.optimizer.muon_momentum = 0.95  # Nesterov momentum's decay
   c.optimizer.muon_steps = 5  # Newton-Schulz iterations
   c.optimizer.muon_rms = 0.2  # the update's RMS, AdamW's (Liu et al. 2025)
-  c.optimizer.muon_gather = True  # gather each matrix's momentum to orthogonalise it; False: XLA splits the matmuls
+  # how a matrix split over devices is orthogonalised: round_robin | gathered | partitioned (training/muon.py)
+  c.optimizer.muon_iteration = "round_robin"
 
   # muP (model/mup.py): a width W parametrised against a base width, so that its learning rate is the base's
   c.mup = ml_collections.ConfigDict()

@@ -91,11 +91,13 @@ LAYOUTS = {
     "data=8": {"mesh.data": 8},
     "zero1 data=8": {"mesh.data": 8, "sharding.zero": 1},
     "fsdp data=8": {"mesh.data": 8, "sharding.zero": 3},
+    "fsdp data=8, gathered": {"mesh.data": 8, "sharding.zero": 3, "optimizer.muon_iteration": "gathered"},
+    "fsdp data=4 x tensor=2, dealt over both": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
     "hsdp data=8 in groups of 4": {"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4},
     "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4},
     "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2},
     "fsdp data=4 x tensor=2, the partitioner splitting the iteration": {
-        "mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3, "optimizer.muon_gather": False},
+        "mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3, "optimizer.muon_iteration": "partitioned"},
     "experts: data=2 x expert=2 x tensor=2, fsdp": {**EXPERTS, "mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2,
                                                     "sharding.zero": 3},
 }
@@ -128,22 +130,33 @@ def test_layout_matches_single_device(name, one_device):
                       f"{name}: parameter after {STEPS} steps")
 
 
-def test_gathering_each_matrix_sends_fewer_bytes_than_splitting_the_iteration():
-  """On fsdp data=8 the gathered iteration adds one all-gather of the matrices' momentum (4 bytes x 98304
-  elements x 7/8 = 344064, as the estimate says), where the partitioner, left to split the iteration's
-  matmuls, gathers each iterate again: 12 times the bytes (4157520), for 1/6.5 of the iteration's FLOPs (each
-  device iterating on every matrix whole is 157 MFLOPs a step, 3.3 times this tiny model's training FLOPs;
-  at GPT-2 124M's 0.5M-token batches it would be under 1%)."""
+def test_round_robin_sends_and_computes_least():
+  """The three iterations compiled on fsdp data=8, beside AdamW's step. Round robin deals each parameter's
+  2 or 6 matrices over the 8 devices (one each, the stack padded to 8) and sends 286720 bytes more (all-to-all
+  there and back); gathering sends 344064 (every matrix's momentum, 4 x 98304 x 7/8) and iterates on every
+  matrix on every device, 2.5 x round robin's FLOPs; left to the partitioner, the iteration's matmuls gather
+  each iterate again: 4157520 bytes, for the fewest FLOPs. The estimate counts round robin's and the gather's
+  bytes and FLOPs exactly."""
   sent, flops = {}, {}
-  for gather in (True, False):
-    config = tiny_config(**MUON, **{"mesh.data": 8, "sharding.zero": 3, "optimizer.muon_gather": gather})
+  for iteration in ("adamw", *muon.ITERATIONS):
+    config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3}, **({} if iteration == "adamw" else {
+        **MUON, "optimizer.muon_iteration": iteration}))
     layout = plan(config)
     program, partitioned = compile_partitioned_train_step(layout, config)
-    sent[gather] = sum(analysis.traffic_per_step(analysis.collectives(program, layout.mesh, partitioned)).values())
-    flops[gather] = analysis.matmul_flops(program, partitioned)
-  adamw = tiny_config(**{"mesh.data": 8, "sharding.zero": 3})
-  mesh, weights = dict(plan(adamw).mesh.shape), model_weights(adamw)
-  baseline = sum(estimate.collectives(adamw, mesh, weights).values())
-  training = estimate.flops(adamw, mesh, weights)["total"]
-  assert sent[False] - baseline > 10 * (sent[True] - baseline), (sent, baseline)
-  assert flops[True] - training > 5 * (flops[False] - training), (flops, training)
+    sent[iteration] = analysis.traffic_per_step(analysis.collectives(program, layout.mesh, partitioned))
+    flops[iteration] = analysis.matmul_flops(program, partitioned)
+    if iteration in ("round_robin", "gathered"):
+      mesh, weights = dict(layout.mesh.shape), model_weights(config)
+      estimated = estimate.collectives_by_source(config, mesh, weights)["optimizer"]
+      assert {key: sent[iteration][key] - sent["adamw"].get(key, 0) for key in estimated} == estimated, iteration
+      assert flops[iteration] - flops["adamw"] == estimate.newton_schulz_flops(config, mesh, weights), iteration
+  extra = {name: sum(sent[name].values()) - sum(sent["adamw"].values()) for name in muon.ITERATIONS}
+  assert extra["round_robin"] < extra["gathered"] < extra["partitioned"] / 10, extra
+  iterated = {name: flops[name] - flops["adamw"] for name in muon.ITERATIONS}
+  assert iterated["partitioned"] < iterated["round_robin"] < iterated["gathered"] / 2, iterated
+
+
+def test_refuses_an_unknown_iteration():
+  with pytest.raises(ValueError, match=r"^optimizer.muon_iteration='split' is unknown; use one of round_robin, "
+                                       r"gathered, partitioned\.$"):
+    muon.matrices({}, {}, iteration="split")

@@ -73,7 +73,7 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
 
   Muon reads which parameters are matrices off their logical axes (`logical`, the parameters' tree of
   PartitionSpecs of logical names); on a `mesh` it gathers each matrix's momentum from where the moments lie
-  (`moment_rules`) unless optimizer.muon_gather is off (training/muon.py).
+  (`moment_rules`) as optimizer.muon_iteration says (training/muon.py).
   """
   opt = config.optimizer
   lr = learning_rate(config)
@@ -83,7 +83,7 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
                      f"{opt.name!r} would need its own (muP's SGD and Muon scalings are not built): use one of "
                      f"{', '.join(MUP_OPTIMIZERS)}, or leave mup.base_width at 0.")
   if opt.name == "muon":
-    described = muon.matrices(params, logical, mesh if opt.muon_gather else None, moment_rules)
+    described = muon.matrices(params, logical, mesh, moment_rules, opt.muon_iteration)
     rule = muon.muon(config, lr, lambda p: decay_mask(p, config), described)
   elif opt.name == "schedule_free_adamw":
     if config.schedule.decay != "constant":
