@@ -460,7 +460,7 @@ def _gradients(config, mesh, weights, traffic):
 
   ZeRO-0 all-reduces each gradient. With ZeRO-1/3 a weight whose moments live
   on `data` (hybrid sharding: its groups on `expert`) has its gradient reduce-scattered there (the other token axes
-  all-reduce the shard); ZeRO-1 then all-gathers the updated weights, ZeRO-3
+  all-reduce the shard); ZeRO-1 then all-gathers the updated weights (and schedule-free's z), ZeRO-3
   all-gathers each weight where it is used (in the dtype it is used in):
   stacked layers once in the forward loop and once in the backward loop, the
   rest once. Each micro-batch
@@ -497,7 +497,10 @@ def _gradients(config, mesh, weights, traffic):
       group = math.prod(mesh[a] for a in replicas)
       traffic[("all-reduce", _axes_key(replicas))] += accum * uses * _all_reduce(grad, group)
     if scatter and zero == 1:
-      traffic[("all-gather", axis)] += _gather(used, mesh[axis])
+      # Schedule-free's gradient point y = b1 x + (1 - b1) z needs its base sequence z, kept on the moments'
+      # shards, gathered as well (training/step.py).
+      gathers = 2 if config.optimizer.name == "schedule_free_adamw" else 1
+      traffic[("all-gather", axis)] += gathers * _gather(used, mesh[axis])
     if fsdp:
       gathered = used // param_bytes * _gathered_bytes(config, w, weights)
       traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[axis])

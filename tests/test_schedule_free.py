@@ -13,8 +13,11 @@ import pytest
 
 from helpers import (assert_params_close, batch_at, objective_and_gradients, params_after_steps, setup,
                      tiny_config, train_steps)
+from measure import analysis, estimate
+from measure.dry_run import compile_partitioned_train_step, model_weights
 from run.loop import train
 from training import schedule_free
+from training.state import plan
 
 SCHEDULE_FREE = {"optimizer.name": "schedule_free_adamw", "schedule.decay": "constant"}
 
@@ -80,3 +83,21 @@ def test_refuses_a_decay_and_rounded_state(tmp_path, overrides, says):
     train(config)
   assert "\n" not in str(raised.value)
   assert not (tmp_path / "run").exists()
+
+
+def test_the_state_holds_z_and_v_and_zero1_gathers_z_once():
+  """The state is z and v beside the weights (no Adam first moment, which b1 = 0 would keep at zero), and
+  under ZeRO-1 the gradient point gathers z once a step beside the updated weights, not in each layer loop:
+  the compiled program's all-gathers exceed AdamW's by the estimate's z, to the byte."""
+  key, sent, estimated = ("all-gather", "data"), {}, {}
+  for name, overrides in (("schedule-free", SCHEDULE_FREE), ("adamw", {})):
+    config = tiny_config(**overrides, **{"mesh.data": 8, "sharding.zero": 1})
+    layout = plan(config)
+    if name == "schedule-free":
+      size = lambda tree: sum(leaf.size for leaf in jax.tree.leaves(tree) if leaf.ndim)
+      assert size(layout.abstract_state["opt_state"]) == 2 * size(layout.abstract_state["params"])
+    program, partitioned = compile_partitioned_train_step(layout, config)
+    sent[name] = analysis.traffic_per_step(analysis.collectives(program, layout.mesh, partitioned))[key]
+    estimated[name] = estimate.collectives(config, dict(layout.mesh.shape), model_weights(config))[key]
+  assert estimated["schedule-free"] == 2 * estimated["adamw"]
+  assert sent["schedule-free"] - sent["adamw"] == estimated["adamw"], (sent, estimated)

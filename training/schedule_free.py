@@ -33,9 +33,12 @@ def gradient_point(opt_state, params):
 
 def schedule_free_adamw(learning_rate, b1, b2, eps, weight_decay, decays) -> optax.GradientTransformation:
   """optax's schedule-free AdamW (decoupled decay where `decays`, taken at y) on parameters held at x."""
-  inner = optax.contrib.schedule_free(
-      optax.adamw(learning_rate, b1=0.0, b2=b2, eps=eps, weight_decay=weight_decay, mask=decays),
-      learning_rate, b1=b1)
+  # AdamW with b1 = 0, as optax's schedule_free_adamw builds it: scale_by_rms does not hold Adam's first
+  # moment, which would stay zero and cost a copy of the weights.
+  adamw_without_momentum = optax.chain(optax.scale_by_rms(b2, eps, eps_in_sqrt=False, bias_correction=True),
+                                       optax.add_decayed_weights(weight_decay, decays),
+                                       optax.scale_by_learning_rate(learning_rate))
+  inner = optax.contrib.schedule_free(adamw_without_momentum, learning_rate, b1=b1)
 
   def update(grads, state, params):
     y = _between(params, state.z, state.b1)

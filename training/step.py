@@ -106,8 +106,10 @@ def make_train_step(layout: Layout, config, donate: bool = True):
   def train_step(state, batch):
     scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
     with placed(placement.for_layout(layout)):
-      # Schedule-free takes its gradient between the averaged weights the state holds and its base sequence.
-      at = schedule_free.gradient_point(state["opt_state"], state["params"])
+      # Schedule-free takes its gradient between the averaged weights the state holds and its base sequence,
+      # laid out as the parameters: under ZeRO-1 the base sequence is gathered once, not in each layer loop.
+      at = jax.lax.with_sharding_constraint(schedule_free.gradient_point(state["opt_state"], state["params"]),
+                                            layout.param_shardings)
       (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
