@@ -194,6 +194,17 @@ def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, pat
   _save(figure, axes, path, 6)
 
 
+def _shown(value, runs: list[dict]):
+  """A field's table cell; a sibling run's checkpoint (`{out}/<run>:<step>`) as that run's row and the step."""
+  if not str(value).startswith("{out}/"):
+    return value
+  sibling, step = str(value).removeprefix("{out}/").rsplit(":", 1)
+  rows = [i for i, fields in enumerate(runs, 1) if run_name(fields) == sibling]
+  if not rows:
+    raise ValueError(f"{value!r} names no run of this recipe; `{{out}}/<run>:<step>` takes a run the recipe lists.")
+  return f"row {rows[0]}, step {step}"
+
+
 def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> str:
   """Run every run of `recipe` that has not finished, then write the tables and the figure."""
   out = out.resolve()  # train.py runs from the repository root
@@ -212,7 +223,7 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
       failed.append(name)
     label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
     reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
-    rows.append({**{k: fields[k] for k in varied},
+    rows.append({**{k: _shown(fields[k], runs) for k in varied},
                  **{column: describe(fields) for column, describe in recipe.columns.items()},
                  **summarize(workdir, marker), **reached})
     curves.append((label, workdir))
