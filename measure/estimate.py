@@ -506,64 +506,59 @@ def _gradients(config, mesh, weights, traffic):
       traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[axis])
 
 
-@dataclasses.dataclass(frozen=True)
-class _MuonMatrices:
-  """How one weight's matrices are orthogonalised (training/muon.py): dealt round robin over the `devices`
-  that split their sides (`axes`), each holding `shared` of them, or else gathered over `gathered`."""
-  weight: Weight
-  m: int  # the matrices' short side
-  n: int  # and long side
-  axes: tuple[str, ...]
-  devices: int
-  shared: int
-  dealt: bool
-  gathered: set[str]
-
-
-def _muon_matrices(config, mesh, weights) -> list[_MuonMatrices]:
-  """Each matrix weight Muon iterates on whole; none where the partitioner splits the iteration."""
+def _muon_matrices(config, mesh, weights) -> tuple[dict, list]:
+  """How Muon orthogonalises each matrix weight whole (training/muon.py): {Deal: matrices per device's stack}
+  for round robin's deals, and (weight, the mesh axes its momentum is gathered over) for the rest. Nothing
+  where the partitioner splits the iteration."""
   if config.optimizer.name != "muon" or config.optimizer.muon_iteration == "partitioned":
-    return []
+    return {}, []
   moments = rules.optimizer_rules(config.sharding.zero, rules.fsdp_axis(config.sharding))
-  out = []
-  for w in weights:
-    if not w.sides:
-      continue
-    matrix = muon.Matrix(*w.sides)
-    spec = tuple(rules.spec(w.axes, moments)) + (None,) * len(w.shape)
-    devices, shared = muon.group(w.shape, spec, matrix, mesh)
-    m, n = sorted(math.prod(w.shape[i] for i in side) for side in w.sides)
-    dealt = config.optimizer.muon_iteration == "round_robin" and muon.deals(w.shape, spec, matrix, mesh)
-    out.append(_MuonMatrices(w, m, n, tuple(a for a, _ in muon.side_splits(matrix, spec)), devices, shared, dealt,
-                             sharded_over(w, mesh, moments) - sharded_over(w, mesh, muon.GATHERED_RULES)))
-  return out
+  entries = [(w, (w.shape, tuple(rules.spec(w.axes, moments)) + (None,) * len(w.shape), muon.Matrix(*w.sides)))
+             for w in weights if w.sides]
+  if config.optimizer.muon_iteration == "round_robin":
+    found = muon.deals([entry for _, entry in entries], mesh)
+  else:
+    found = [None] * len(entries)
+  dealt, gathered = collections.Counter(), []
+  for (w, entry), deal in zip(entries, found):
+    if deal:
+      dealt[deal] += muon.matrix_count(*entry, mesh)
+    else:
+      gathered.append((w, sharded_over(w, mesh, moments) - sharded_over(w, mesh, muon.GATHERED_RULES)))
+  return dealt, gathered
 
 
 def _muon(config, mesh, weights, traffic):
   """Muon (training/muon.py), the float32 momentum of each matrix its group splits, once per step. Dealt:
-  the group's stack, padded to a multiple of the group, crosses one all-to-all per splitting axis there and
-  one back. Gathered: all-gathered over the axes that split it, and the update sliced, not sent."""
-  for each in _muon_matrices(config, mesh, weights):
-    if each.dealt:
-      stack = -(-each.shared // each.devices) * each.m * each.n * F32_BYTES  # each device's part of the padded stack
-      for axis in each.axes:
-        traffic[("all-to-all", axis)] += 2 * _gather(stack, mesh[axis])
-    elif each.gathered:
-      whole = shard_elements(each.weight, mesh, muon.GATHERED_RULES) * F32_BYTES
-      traffic[("all-gather", _axes_key(each.gathered))] += _gather(whole, math.prod(mesh[a] for a in each.gathered))
+  each deal's stack, padded to a multiple of the group, crosses one all-to-all per splitting axis and one
+  back. Gathered: all-gathered over the axes that split it, and the update sliced, not sent."""
+  dealt, gathered = _muon_matrices(config, mesh, weights)
+  for deal, count in dealt.items():
+    devices = math.prod(mesh[a] for a, _ in deal.splits)
+    stack = -(-count // devices) * math.prod(deal.shape) * devices * F32_BYTES  # a device's padded stack
+    for axis, _ in deal.splits:
+      traffic[("all-to-all", axis)] += 2 * _gather(stack, mesh[axis])
+  for w, axes in gathered:
+    if axes:
+      whole = shard_elements(w, mesh, muon.GATHERED_RULES) * F32_BYTES
+      traffic[("all-gather", _axes_key(axes))] += _gather(whole, math.prod(mesh[a] for a in axes))
 
 
 def newton_schulz_flops(config, mesh, weights) -> int:
-  """Muon's matmul FLOPs per device per step: ceil(shared / devices) matrices each where dealt, every matrix
-  the device gathered where gathered. Per step of the quintic on an m x n matrix (m <= n): X X^T and
-  (bA + cA^2) X, 2m^2 n each, and A^2, 2m^3."""
+  """Muon's matmul FLOPs per device per step: ceil(count / devices) matrices of each deal, every matrix the
+  device gathered. Per step of the quintic on an m x n matrix (m <= n): X X^T and (bA + cA^2) X, 2m^2 n
+  each, and A^2, 2m^3."""
+  quintic = lambda m, n: config.optimizer.muon_steps * (4 * m * m * n + 2 * m ** 3)
+  dealt, gathered = _muon_matrices(config, mesh, weights)
   total = 0
-  for each in _muon_matrices(config, mesh, weights):
-    if each.dealt:
-      iterated = -(-each.shared // each.devices)
-    else:
-      iterated = shard_elements(each.weight, mesh, muon.GATHERED_RULES) // (each.m * each.n)
-    total += iterated * config.optimizer.muon_steps * (4 * each.m ** 2 * each.n + 2 * each.m ** 3)
+  for deal, count in dealt.items():
+    devices = math.prod(mesh[a] for a, _ in deal.splits)
+    m, n = sorted(size * math.prod(mesh[a] for a, side in deal.splits if side == i)
+                  for i, size in enumerate(deal.shape, 1))
+    total += -(-count // devices) * quintic(m, n)
+  for w, _ in gathered:
+    m, n = sorted(math.prod(w.shape[i] for i in side) for side in w.sides)
+    total += shard_elements(w, mesh, muon.GATHERED_RULES) // (m * n) * quintic(m, n)
   return total
 
 

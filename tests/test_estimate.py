@@ -70,14 +70,15 @@ BY_HAND = {
         # A pair of all-to-alls re-lays the lookup's share of the table's gradient.
         None, {("all-to-all", "data")}),
     "muon fsdp data=8": (
-        # As fsdp data=8, and Muon dealing each parameter's matrices round robin (training/muon.py): its
-        # float32 momentum, a stack padded to 8 matrices (QKV's 2 layers x 3, the others' 2 layers), crosses an
-        # all-to-all over data and one back, 2 x 4 x 8 x (4096 + 4096 + 16384 + 16384) / 8 x 7/8.
+        # As fsdp data=8, and Muon dealing its matrices round robin (training/muon.py): the eight 64 x 64 (each
+        # layer's q, k, v and output) as one stack, one a device, and the four 64 x 256 (MLP up, and down
+        # transposed) padded to eight. Their float32 momentum crosses an all-to-all over data and one back:
+        # 2 x 4 x (8 x 4096 + 8 x 16384) / 8 x 7/8.
         {("reduce-scatter", "data"): 411712, ("all-reduce", "data"): 6272, ("all-gather", "data"): 758464,
-         ("all-to-all", "data"): 286720},
+         ("all-to-all", "data"): 143360},
         # The lookup's pair of all-to-alls (as fsdp data=8) beside them: 28672 more.
         {("reduce-scatter", "data"): 411712, ("all-reduce", "data"): 6272, ("all-gather", "data"): 758464,
-         ("all-to-all", "data"): 315392}, set()),
+         ("all-to-all", "data"): 172032}, set()),
     "data=4 x pipeline=2": (
         # Once per step, over data a stage's half of the stacked weights, 2 x 4 x 99968 / 2 x 3/4, and over
         # all 8 devices the unstacked ones (the table's two uses summed on each device first),
@@ -319,10 +320,10 @@ def test_flops_estimate_by_hand():
   # = 78643200, two layers.
   config.model.remat, config.optimizer.name = "none", "muon"
   assert estimate.flops(config, mesh, weights)["optimizer"] == 157286400
-  # ZeRO-3 splits the matrices over the 8 devices, and round robin deals each parameter's stack of them (2 or
-  # 6, padded to 8): one matrix of each parameter a device, 2 x 5 x 1572864 + 2 x 5 x 4718592.
+  # ZeRO-3 splits the matrices over the 8 devices, and round robin deals them: the eight 64 x 64 one a device,
+  # the four 64 x 256 padded to eight, one a device: 5 x 1572864 + 5 x 4718592.
   config.sharding.zero = 3
-  assert estimate.flops(config, mesh, weights)["optimizer"] == 62914560
+  assert estimate.flops(config, mesh, weights)["optimizer"] == 31457280
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -95,7 +95,7 @@ LAYOUTS = {
     "fsdp data=4 x tensor=2, dealt over both": {"mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3},
     "hsdp data=8 in groups of 4": {"mesh.data": 8, "sharding.zero": 3, "sharding.fsdp_group": 4},
     "data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4},
-    "data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2},
+    "fsdp data=4 x pipeline=2": {"mesh.data": 4, "mesh.pipeline": 2, "sharding.zero": 3},
     "fsdp data=4 x tensor=2, the partitioner splitting the iteration": {
         "mesh.data": 4, "mesh.tensor": 2, "sharding.zero": 3, "optimizer.muon_iteration": "partitioned"},
     "experts: data=2 x expert=2 x tensor=2, fsdp": {**EXPERTS, "mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2,
@@ -131,12 +131,12 @@ def test_layout_matches_single_device(name, one_device):
 
 
 def test_round_robin_sends_and_computes_least():
-  """The three iterations compiled on fsdp data=8, beside AdamW's step. Round robin deals each parameter's
-  2 or 6 matrices over the 8 devices (one each, the stack padded to 8) and sends 286720 bytes more (all-to-all
-  there and back); gathering sends 344064 (every matrix's momentum, 4 x 98304 x 7/8) and iterates on every
-  matrix on every device, 2.5 x round robin's FLOPs; left to the partitioner, the iteration's matmuls gather
-  each iterate again: 4157520 bytes, for the fewest FLOPs. The estimate counts round robin's and the gather's
-  bytes and FLOPs exactly."""
+  """The three iterations compiled on fsdp data=8, beside AdamW's step. Round robin deals the eight 64 x 64
+  matrices (q, k, v and output of two layers) one a device and the four 64 x 256 (MLP up, down transposed)
+  one a device of the first four, and sends 143360 bytes more (all-to-all there and back); gathering sends
+  344064 (every matrix's momentum, 4 x 98304 x 7/8) and iterates on every matrix on every device, 5 x round
+  robin's FLOPs; left to the partitioner, the iteration's matmuls gather each iterate again: 4157520 bytes,
+  for the fewest FLOPs. The estimate counts round robin's and the gather's bytes and FLOPs exactly."""
   sent, flops = {}, {}
   for iteration in ("adamw", *muon.ITERATIONS):
     config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3}, **({} if iteration == "adamw" else {

@@ -17,17 +17,21 @@ split over devices (the group of a matrix: the devices over `data` and
 `tensor` that hold its shards; the batch axes stay split, so a stage
 orthogonalises its own layers and an expert device its own experts).
 optimizer.muon_iteration says how the group runs it:
-  round_robin  a parameter's c matrices (its layers, experts) are dealt over the
-               group's n devices: an all-to-all brings each device ceil(c / n)
+  round_robin  the matrices of like shape and layout (every layer's q, k, v and
+               output projection, say) are dealt over the group's n devices as
+               one stack of c: an all-to-all brings each device ceil(c / n)
                whole matrices, it iterates on them, and one back returns the
-               shards. A parameter holding one matrix is gathered instead.
+               shards. A matrix with no like, or split on a side's minor axis
+               (its merged shards would not be contiguous), is gathered.
   gathered     every device all-gathers the group's momentum, iterates on every
                matrix whole, and keeps its shard (Liu et al.'s Distributed Muon).
   partitioned  the partitioner splits the iteration's matmuls itself.
-Round robin sends 2 ceil(c / n) / c of the gather's bytes for 1 / n of its
-FLOPs where c >= n; docs/research.md#muon measures the three.
+Round robin sends 2 ceil(c / n) / c of the gather's bytes for ceil(c / n) / c
+of its FLOPs; docs/research.md#muon measures the three.
 """
 
+import collections
+import itertools
 import math
 from typing import NamedTuple
 
@@ -49,20 +53,30 @@ GATHERED_RULES = (("layers", PIPELINE), ("expert", EXPERT), ("vocab", None), ("h
                   ("mlp", None), ("head_dim", None), ("embed", None))
 
 
+class Deal(NamedTuple):
+  """A round robin's share: the local [M, N] shape of the matrices dealt together (sides oriented short first,
+  each side's axes merged) and the mesh axes that split each side ((axis, 1) for M, (axis, 2) for N, a
+  side's minor axis first: the order all-to-alls rebuild it in). Parameters with equal Deals are dealt as
+  one stack."""
+  shape: tuple[int, int]
+  splits: tuple[tuple[str, int], ...]
+
+
 class Matrix(NamedTuple):
   """One Muon parameter: which of its axes are the matrices' input and output sides (the rest are batch
   axes); where its momentum is gathered for the iteration (None: where the partitioner puts it), where its
-  update goes back to, and whether its matrices are dealt round robin over their group instead."""
+  update goes back to, and the Deal it joins where its matrices are dealt round robin instead."""
   inputs: tuple[int, ...]
   outputs: tuple[int, ...]
   gathered: NamedSharding | None = None
   kept: NamedSharding | None = None
-  dealt: bool = False
+  deal: Deal | None = None
 
 
 def matrices(params, logical, mesh=None, moment_rules=None, iteration: str = "round_robin") -> dict:
   """Each parameter's Matrix, or None where AdamW trains it. With a mesh, the shardings to gather each
-  matrix's momentum in and to keep its update in (the moments' own, `moment_rules`)."""
+  matrix's momentum in and to keep its update in (the moments' own, `moment_rules`), and under round robin
+  the Deal each joins."""
   if iteration not in ITERATIONS:
     raise ValueError(f"optimizer.muon_iteration={iteration!r} is unknown; use one of {', '.join(ITERATIONS)}.")
 
@@ -71,39 +85,63 @@ def matrices(params, logical, mesh=None, moment_rules=None, iteration: str = "ro
     sides = matrix_sides(path, spec)
     if sides is None or mesh is None or iteration == "partitioned":
       return sides and Matrix(*sides)
-    kept = rules.spec(spec, moment_rules)
-    matrix = Matrix(*sides, NamedSharding(mesh, rules.spec(spec, GATHERED_RULES)), NamedSharding(mesh, kept))
-    return matrix._replace(dealt=iteration == "round_robin" and deals(param.shape, kept, matrix, dict(mesh.shape)))
+    return Matrix(*sides, NamedSharding(mesh, rules.spec(spec, GATHERED_RULES)),
+                  NamedSharding(mesh, rules.spec(spec, moment_rules)))
 
-  return jax.tree_util.tree_map_with_path(describe, params, logical)
+  described = jax.tree_util.tree_map_with_path(describe, params, logical)
+  if iteration != "round_robin" or mesh is None:
+    return described
+  found, tree = jax.tree.flatten(described, is_leaf=lambda m: m is None or isinstance(m, Matrix))
+  shapes = [param.shape for param in jax.tree.leaves(params)]
+  dealt = iter(deals([(shape, m.kept.spec, m) for shape, m in zip(shapes, found) if m], dict(mesh.shape)))
+  return jax.tree.unflatten(tree, [m and m._replace(deal=next(dealt)) for m in found])
 
 
 def batch_axes(matrix: Matrix, ndim: int) -> list[int]:
   return [i for i in range(ndim) if i not in matrix.inputs + matrix.outputs]
 
 
-def side_splits(matrix: Matrix, spec) -> list[tuple[str, int]]:
-  """(mesh axis, parameter axis) for each mesh axis that splits a matrix side in `spec` (as long as the
-  parameter's rank); an axis split over several mesh axes lists its minor one first, the order all-to-alls
-  rebuild it in."""
-  return [(a, i) for i in matrix.inputs + matrix.outputs for a in reversed(rules.entry_axes(spec[i]))]
+def _splitting(spec, mesh_shape: dict, axis: int) -> tuple[str, ...]:
+  """The mesh axes of more than one device that split a parameter axis."""
+  return tuple(a for a in rules.entry_axes(spec[axis]) if mesh_shape[a] > 1)
 
 
-def group(shape, spec, matrix: Matrix, mesh_shape: dict) -> tuple[int, int]:
-  """(the devices that split each of a parameter's matrices, how many matrices those devices share) where the
-  parameter lies as `spec`; the batch axes' own splits (a stage's layers, an expert device's experts) are
-  matrices the group does not share."""
-  devices = math.prod(mesh_shape[a] for a, _ in side_splits(matrix, spec))
+def oriented(matrix: Matrix, shape, spec, mesh_shape: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The matrix's sides, the shorter first, and of equal sides a split one: a transposed matrix is dealt with
+  its like (the polar factor of a transpose is the transpose of the polar factor)."""
+  key = lambda side: (math.prod(shape[i] for i in side), not any(_splitting(spec, mesh_shape, i) for i in side))
+  return (matrix.inputs, matrix.outputs) if key(matrix.inputs) <= key(matrix.outputs) else (
+      matrix.outputs, matrix.inputs)
+
+
+def matrix_count(shape, spec, matrix: Matrix, mesh_shape: dict) -> int:
+  """Matrices of the parameter on each device's stack: its batch axes' own splits (a stage's layers, an expert
+  device's experts) are matrices the side-splitting devices do not share."""
   batch = batch_axes(matrix, len(shape))
-  split = math.prod(mesh_shape[a] for i in batch for a in rules.entry_axes(spec[i]))
-  return devices, math.prod(shape[i] for i in batch) // split
+  return math.prod(shape[i] for i in batch) // math.prod(mesh_shape[a] for i in batch for a in rules.entry_axes(spec[i]))
 
 
-def deals(shape, spec, matrix: Matrix, mesh_shape: dict) -> bool:
-  """Whether round robin deals the parameter's matrices: where a group shares more than one. Dealing a lone
-  matrix would send it twice where gathering it sends it once, for the same FLOPs."""
-  devices, shared = group(shape, spec, matrix, mesh_shape)
-  return devices > 1 and shared > 1
+def _deal_of(shape, spec, matrix: Matrix, mesh_shape: dict) -> Deal | None:
+  """The Deal a parameter laid out as `spec` would join, or None where no axis splits its sides or one splits
+  a side's minor axis (merged, its shards would not be contiguous)."""
+  splitting = lambda i: _splitting(spec, mesh_shape, i)
+  local, splits = [], []
+  for position, side in enumerate(oriented(matrix, shape, spec, mesh_shape), 1):
+    if any(splitting(i) for i in side[1:]):
+      return None
+    splits += [(a, position) for a in reversed(splitting(side[0]))]
+    local.append(math.prod(shape[i] for i in side) // math.prod(mesh_shape[a] for a in splitting(side[0])))
+  return Deal(tuple(local), tuple(splits)) if splits else None
+
+
+def deals(entries: list, mesh_shape: dict) -> list[Deal | None]:
+  """Round robin's Deal for each (shape, spec, Matrix) of `entries`, or None where its matrices are gathered:
+  a Deal of a single matrix would send it twice where gathering sends it once, for the same FLOPs."""
+  found = [_deal_of(shape, spec, matrix, mesh_shape) for shape, spec, matrix in entries]
+  count = collections.Counter()
+  for deal, (shape, spec, matrix) in zip(found, entries):
+    count[deal] += matrix_count(shape, spec, matrix, mesh_shape)
+  return [deal if deal and count[deal] > 1 else None for deal in found]
 
 
 def newton_schulz(x_BMN, steps: int, eps: float = 1e-7):
@@ -128,34 +166,36 @@ def orthogonalize(x, matrix: Matrix, steps: int):
   return newton_schulz(flat, steps).reshape(moved.shape).transpose(sorted(range(x.ndim), key=order.__getitem__))
 
 
-def orthogonalize_dealt(x, matrix: Matrix, steps: int):
-  """Newton-Schulz over `x`'s matrices, dealt over the devices that split their sides: inside a map manual
-  over the mesh, each device's stack of matrix shards (padded with zero matrices, which stay zero, to a
-  multiple of the group) goes through one all-to-all per splitting axis, which trades a slice of the stack
-  for the rest of each matrix; the device iterates on its whole matrices and the all-to-alls run back."""
-  kept, batch = matrix.kept, batch_axes(matrix, x.ndim)
-  order = batch + list(matrix.inputs) + list(matrix.outputs)
-  # A side's place once the batch axes are one: behind it, in `order`.
-  place = {axis: 1 + order.index(axis) - len(batch) for axis in matrix.inputs + matrix.outputs}
-  splits = [(name, place[axis]) for name, axis in side_splits(matrix, kept.spec)]
-  devices = math.prod(kept.mesh.shape[name] for name, _ in splits)
-  sides = Matrix(tuple(range(1, 1 + len(matrix.inputs))),
-                 tuple(range(1 + len(matrix.inputs), 1 + len(matrix.inputs) + len(matrix.outputs))))
+def orthogonalize_dealt(xs: list, described: list, steps: int) -> list:
+  """Newton-Schulz over the matrices of `xs`, parameters of one Deal, dealt over the devices that split
+  their sides. Inside a map manual over the mesh, each device's shards of every matrix, one stack (padded
+  with zero matrices, which stay zero, to a multiple of the group), go through one all-to-all per splitting
+  axis, which trades a slice of the stack for the rest of each matrix; the device iterates on its whole
+  matrices and the all-to-alls run back."""
+  deal, mesh = described[0].deal, described[0].kept.mesh
+  devices = math.prod(mesh.shape[name] for name, _ in deal.splits)
+  orders = [batch_axes(m, x.ndim) + [i for side in oriented(m, x.shape, m.kept.spec, dict(mesh.shape)) for i in side]
+            for x, m in zip(xs, described)]
 
-  def local(shard):
-    moved = shard.transpose(order)
-    stack = moved.reshape((-1,) + moved.shape[len(batch):])
+  def local(*shards):
+    moved = [shard.transpose(order) for shard, order in zip(shards, orders)]
+    stacks = [m.reshape((-1,) + deal.shape) for m in moved]
+    stack = jnp.concatenate(stacks)
     count = stack.shape[0]
-    stack = jnp.pad(stack, [(0, -count % devices)] + [(0, 0)] * (stack.ndim - 1))
-    for name, axis in splits:
-      stack = jax.lax.all_to_all(stack, name, 0, axis, tiled=True)
-    stack = orthogonalize(stack, sides, steps)
-    for name, axis in reversed(splits):
-      stack = jax.lax.all_to_all(stack, name, axis, 0, tiled=True)
-    return stack[:count].reshape(moved.shape).transpose(sorted(range(x.ndim), key=order.__getitem__))
+    # The barrier keeps the stack one array: XLA would otherwise slice the all-to-all's operand into its
+    # concatenated parts, whose layouts differ, and the CPU compiler's verifier refuses the result.
+    stack = jax.lax.optimization_barrier(jnp.pad(stack, [(0, -count % devices), (0, 0), (0, 0)]))
+    for name, side in deal.splits:
+      stack = jax.lax.all_to_all(stack, name, 0, side, tiled=True)
+    stack = newton_schulz(stack, steps)
+    for name, side in reversed(deal.splits):
+      stack = jax.lax.all_to_all(stack, name, side, 0, tiled=True)
+    pieces = jnp.split(stack[:count], list(itertools.accumulate(len(s) for s in stacks))[:-1])
+    return tuple(piece.reshape(m.shape).transpose(sorted(range(m.ndim), key=order.__getitem__))
+                 for piece, m, order in zip(pieces, moved, orders))
 
-  spec = PartitionSpec(*kept.spec)
-  return jax.shard_map(local, mesh=kept.mesh, in_specs=spec, out_specs=spec)(x)
+  specs = tuple(PartitionSpec(*m.kept.spec) for m in described)
+  return list(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs)(*xs))
 
 
 def fans(x, matrix: Matrix) -> tuple[int, int]:
@@ -175,20 +215,25 @@ def scale_by_muon(described: list, beta: float, steps: int, rms: float) -> optax
     momentum = jax.tree.map(lambda m, g: beta * m + g, state.momentum, grads)
     nesterov = jax.tree.map(lambda m, g: beta * m + g, momentum, grads)
     leaves, tree = jax.tree.flatten(nesterov)
-    out = []
-    for x, matrix in zip(leaves, described, strict=True):
-      scale = rms * math.sqrt(max(fans(x, matrix)))
+    out = [None] * len(leaves)
+    by_deal = collections.defaultdict(list)
+    for i, matrix in enumerate(described):
+      if matrix.deal:
+        by_deal[matrix.deal].append(i)
+    for members in by_deal.values():
+      dealt = orthogonalize_dealt([leaves[i] for i in members], [described[i] for i in members], steps)
+      for i, x in zip(members, dealt):
+        out[i] = x
+    for i, (x, matrix) in enumerate(zip(leaves, described, strict=True)):
       if matrix.gathered is None:
-        out.append(orthogonalize(x, matrix, steps) * scale)
-        continue
-      if matrix.dealt:
-        out.append(orthogonalize_dealt(x, matrix, steps) * scale)
-        continue
-      # A map manual over every axis, so that the partitioner cannot split the iteration again: each device
-      # iterates on whole matrices, then keeps its shard of the result.
-      whole = jax.shard_map(lambda x: orthogonalize(x, matrix, steps), mesh=matrix.gathered.mesh,
-                            in_specs=matrix.gathered.spec, out_specs=matrix.gathered.spec)(x)
-      out.append(jax.lax.with_sharding_constraint(whole * scale, matrix.kept))
+        out[i] = orthogonalize(x, matrix, steps)
+      elif not matrix.deal:
+        # A map manual over every axis, so that the partitioner cannot split the iteration again: each device
+        # iterates on whole matrices, then keeps its shard of the result.
+        whole = jax.shard_map(lambda x: orthogonalize(x, matrix, steps), mesh=matrix.gathered.mesh,
+                              in_specs=matrix.gathered.spec, out_specs=matrix.gathered.spec)(x)
+        out[i] = jax.lax.with_sharding_constraint(whole, matrix.kept)
+      out[i] = out[i] * rms * math.sqrt(max(fans(x, matrix)))
     return jax.tree.unflatten(tree, out), MomentumState(momentum)
 
   return optax.GradientTransformation(lambda params: MomentumState(jax.tree.map(jnp.zeros_like, params)), update)
