@@ -78,8 +78,8 @@ RECIPES = {r.name: r for r in [
            fixed=SHORT_RUN),
     # Muon's updates are scaled to AdamW's RMS (training/muon.py), so one grid of rates serves both.
     Recipe("muon_vs_adamw",
-           "Muon against AdamW at equal tokens, each over the same four peak rates.",
-           grid=(("optimizer.name", ("adamw", "muon")), ("optimizer.lr", (0.001, 0.003, 0.01, 0.03))),
+           "Muon against AdamW at equal tokens, each over the same six peak rates.",
+           grid=(("optimizer.name", ("adamw", "muon")), ("optimizer.lr", (0.0003, 0.001, 0.003, 0.01, 0.03, 0.1))),
            fixed=SHORT_RUN, target_loss=3.0),
     # The decays branch from the first run's checkpoints, which sit in the same sweep folder ({out}).
     Recipe("wsd",
