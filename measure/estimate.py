@@ -534,7 +534,7 @@ def _muon(config, mesh, weights, traffic):
   back. Gathered: all-gathered over the axes that split it, and the update sliced, not sent."""
   dealt, gathered = _muon_matrices(config, mesh, weights)
   for deal, count in dealt.items():
-    devices = math.prod(mesh[a] for a, _ in deal.splits)
+    devices = deal.devices(mesh)
     stack = -(-count // devices) * math.prod(deal.shape) * devices * F32_BYTES  # a device's padded stack
     for axis, _ in deal.splits:
       traffic[("all-to-all", axis)] += 2 * _gather(stack, mesh[axis])
@@ -552,10 +552,7 @@ def newton_schulz_flops(config, mesh, weights) -> int:
   dealt, gathered = _muon_matrices(config, mesh, weights)
   total = 0
   for deal, count in dealt.items():
-    devices = math.prod(mesh[a] for a, _ in deal.splits)
-    m, n = sorted(size * math.prod(mesh[a] for a, side in deal.splits if side == i)
-                  for i, size in enumerate(deal.shape, 1))
-    total += -(-count // devices) * quintic(m, n)
+    total += -(-count // deal.devices(mesh)) * quintic(*sorted(deal.whole(mesh)))
   for w, _ in gathered:
     m, n = sorted(math.prod(w.shape[i] for i in side) for side in w.sides)
     total += shard_elements(w, mesh, muon.GATHERED_RULES) // (m * n) * quintic(m, n)

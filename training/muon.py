@@ -61,6 +61,15 @@ class Deal(NamedTuple):
   shape: tuple[int, int]
   splits: tuple[tuple[str, int], ...]
 
+  def devices(self, mesh_shape) -> int:
+    """The group the matrices are dealt over."""
+    return math.prod(mesh_shape[a] for a, _ in self.splits)
+
+  def whole(self, mesh_shape) -> tuple[int, int]:
+    """Each matrix's [M, N] once its sides are rebuilt."""
+    return tuple(size * math.prod(mesh_shape[a] for a, side in self.splits if side == i)
+                 for i, size in enumerate(self.shape, 1))
+
 
 class Matrix(NamedTuple):
   """One Muon parameter: which of its axes are the matrices' input and output sides (the rest are batch
@@ -173,7 +182,7 @@ def orthogonalize_dealt(xs: list, described: list, steps: int) -> list:
   axis, which trades a slice of the stack for the rest of each matrix; the device iterates on its whole
   matrices and the all-to-alls run back."""
   deal, mesh = described[0].deal, described[0].kept.mesh
-  devices = math.prod(mesh.shape[name] for name, _ in deal.splits)
+  devices = deal.devices(mesh.shape)
   orders = [batch_axes(m, x.ndim) + [i for side in oriented(m, x.shape, m.kept.spec, dict(mesh.shape)) for i in side]
             for x, m in zip(xs, described)]
 
