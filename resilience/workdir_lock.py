@@ -48,11 +48,15 @@ class WorkdirLock:
 
   def _open(self) -> int:
     try:
-      return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      # Not following a link: the lock's JSON would truncate whatever file the link points at.
+      return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except IsADirectoryError:
       raise ValueError(f"{self.path} is a folder, not a run's lock file; remove it or choose another "
                        "--config.workdir.") from None
     except OSError as error:
+      if error.errno == errno.ELOOP:
+        raise ValueError(f"{self.path} is a symbolic link to {os.readlink(self.path)}, not a run's lock file; "
+                         "remove the link or choose another --config.workdir.") from None
       raise ValueError(f"{self.path} cannot be opened as the run's lock file ({error.strerror}); choose "
                        "another --config.workdir.") from None
 

@@ -129,3 +129,16 @@ def test_a_folder_in_the_locks_place_is_refused_in_one_line(tmp_path):
   with pytest.raises(ValueError, match=rf"^{tmp_path / 'run.lock'} is a folder, not a run's lock file; remove it "):
     WorkdirLock(str(tmp_path)).__enter__()
   assert (tmp_path / "run.lock").is_dir()
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_link_in_the_locks_place_is_refused_and_its_target_left_alone(tmp_path, target_exists):
+  target = tmp_path / "notes.txt"
+  if target_exists:
+    target.write_text("someone's notes")
+  (tmp_path / "run.lock").symlink_to(target)
+  with pytest.raises(ValueError, match=rf"^{tmp_path / 'run.lock'} is a symbolic link to {target}, not a run's "
+                                       "lock file; remove the link or choose another --config.workdir.$"):
+    WorkdirLock(str(tmp_path)).__enter__()
+  assert (tmp_path / "run.lock").is_symlink()
+  assert target.read_text() == "someone's notes" if target_exists else not target.exists()
