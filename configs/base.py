@@ -48,8 +48,8 @@ def base() -> ml_collections.ConfigDict:
   c.distributed.coordinator = ""  # host:port of process 0; empty lets jax detect it
   c.distributed.num_processes = 0  # 0: detect
   c.distributed.process_id = -1  # -1: detect
-  # Seconds without a heartbeat before a process counts as dead; under fault_tolerance=survive
-  # also how long a collective waits for a peer before it is abandoned.
+  # Seconds without a heartbeat before a process counts as dead; under fault_tolerance=survive a
+  # CPU collective waits three times as long for a late peer (parallel/distributed.py).
   c.distributed.heartbeat_seconds = 100
 
   # none: a lost process ends the run, and a restart resumes from the last checkpoint |

@@ -34,7 +34,7 @@ def initialize(dist_config, survive: bool = False) -> None:
     return
   explicit = {"heartbeat_timeout_seconds": dist_config.heartbeat_seconds}
   if survive:
-    _abandon_collectives_after(dist_config.heartbeat_seconds)
+    _abandon_collectives_after(COLLECTIVE_PATIENCE * dist_config.heartbeat_seconds)
     jax.config.update("jax_enable_recoverability", True)
   if dist_config.coordinator:
     explicit["coordinator_address"] = dist_config.coordinator
@@ -43,6 +43,14 @@ def initialize(dist_config, survive: bool = False) -> None:
   if dist_config.process_id >= 0:
     explicit["process_id"] = dist_config.process_id
   jax.distributed.initialize(**explicit)
+
+
+# How many heartbeats a CPU (gloo) collective waits for a peer. Whether a process is lost is the
+# coordination service's call, after one heartbeat; a killed peer's sockets close and its collectives
+# fail at once. A collective that gives up on a live peer that is merely late (descheduled on a busy
+# host, still compiling) fails the run instead, with no process lost to recover from, so it waits
+# longer than the service: a process hung in place is then found after three heartbeats, not one.
+COLLECTIVE_PATIENCE = 3
 
 
 def _abandon_collectives_after(seconds: int) -> None:
