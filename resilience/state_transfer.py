@@ -120,7 +120,7 @@ def assemble(pieces: dict, shape: tuple, dtype, sharding: NamedSharding) -> jax.
 def compile_transfer(layout: Layout) -> None:
   """Compiles ahead the sums that move `layout`'s state leaves onto it, so that a transfer runs no
   compiler between its collectives: a process compiling there would keep the others waiting, and a
-  wait as long as the heartbeat reads as a lost process."""
+  wait past the collectives' patience (parallel/distributed.py) fails the run."""
   for abstract, sharding in zip(jax.tree.leaves(layout.abstract_state), jax.tree.leaves(layout.state_shardings)):
     _summed(sharding, tuple(abstract.shape), np.dtype(abstract.dtype))
 

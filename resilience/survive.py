@@ -381,7 +381,7 @@ def processes_of(layout: Layout) -> set[int]:
 def compiled_steps(layout: Layout, config):
   """The train step (keeping its input: a failed step is redone from it) and the eval step, both
   compiled now: a process compiling inside a step's block would keep the others waiting in its
-  collectives, and a wait as long as the heartbeat reads as a lost process."""
+  collectives, and a wait past their patience (parallel/distributed.py) fails the run."""
   state, batch = abstract_inputs(layout, config)
   train_step = make_train_step(layout, config, donate=False).lower(state, batch).compile()
   return train_step, make_eval_step(layout).lower(state["params"], batch).compile() if config.eval_every else None
