@@ -18,6 +18,8 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   if pipeline is not None and pipeline.schedule not in SCHEDULES:
     raise ValueError(f"pipeline.schedule={pipeline.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
   _divides("model.num_heads", model.num_heads, "mesh.tensor", tensor)
+  # Grouped-query attention's key/value heads split over tensor too (kv_heads 0 means num_heads, checked above).
+  _divides("model.kv_heads", model.num_kv_heads, "mesh.tensor", tensor)
   _divides("model.mlp_dim", model.mlp_dim, "mesh.tensor", tensor)
   _divides("the padded vocabulary", model.padded_vocab, "mesh.tensor", tensor)
   _divides("model.max_len", model.max_len, "mesh.sequence", shape[SEQUENCE])
@@ -116,7 +118,7 @@ def _check_context(model: ModelConfig, shards: int, tensor: int, context: str) -
   if context == "ulysses":
     _divides("model.num_heads", model.num_heads, "mesh.sequence x mesh.tensor (Ulysses splits heads)",
              shards * tensor)
-    _divides("the key/value heads", model.num_kv_heads,
+    _divides("model.kv_heads", model.num_kv_heads,
              "mesh.sequence x mesh.tensor (Ulysses splits heads)", shards * tensor)
 
 

@@ -5,6 +5,7 @@ tensors that need not fit it, since the refusals come before any tensor is match
 """
 
 import errno
+import importlib
 import json
 import os
 import subprocess
@@ -182,3 +183,15 @@ def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
                                        r".*\), so nothing was written; make room or export to another folder\.$"):
     hf_checkpoint.write(str(target), layout.model, params)
   assert os.listdir(tmp_path) == [], "no part of the export, nor the folders made for it, is left"
+
+
+@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny")])
+def test_an_import_whose_kv_heads_the_tensor_axis_does_not_divide_is_refused_writing_nothing(tmp_path, file, variant):
+  layout = plan(importlib.import_module(f"configs.{file}").get_config(variant), jax.devices()[:1])  # 2 kv heads
+  params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), layout.abstract_state["params"])
+  directory = hf_checkpoint.write(str(tmp_path / "model"), layout.model, params)
+  with pytest.raises(ValueError, match=r"^model.kv_heads=2 is not divisible by mesh.tensor=4; choose sizes that "
+                                       r"divide\.$"):
+    train(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run"), sample_tokens=0,
+          **{"mesh.data": 2, "mesh.tensor": 4}))
+  assert not (tmp_path / "run").exists()

@@ -1,8 +1,11 @@
 """The five-axis mesh from config, and refusals that name the bad size."""
 
+import importlib
+
 import pytest
 
 from parallel.mesh import AXES, mesh_shape
+from run.loop import train
 
 
 def sizes(**given):
@@ -23,3 +26,13 @@ def test_fill_takes_the_devices_left_over():
 def test_bad_meshes_are_refused(given, says):
   with pytest.raises(ValueError, match=says):
     mesh_shape(given, 8)
+
+
+@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny")])
+def test_kv_heads_the_tensor_axis_does_not_divide_are_refused_before_anything_is_written(tmp_path, file, variant):
+  config = importlib.import_module(f"configs.{file}").get_config(variant)  # 4 heads, 2 key/value heads
+  config.mesh.data, config.mesh.tensor, config.workdir = 2, 4, str(tmp_path / "run")
+  with pytest.raises(ValueError, match=r"^model.kv_heads=2 is not divisible by mesh.tensor=4; choose sizes that "
+                                       r"divide\.$"):
+    train(config)
+  assert not (tmp_path / "run").exists()
