@@ -95,17 +95,22 @@ def steps_logged(workdir) -> int:
 def run_ledger(run_dir) -> dict:
   """A run's wall time by cause over all its attempts, with `wall` and `attempts`."""
   path = Path(run_dir) / LEDGER_FILE
+  advice = "give the --config.workdir of a run that has logged a step with this version of meshlm."
   if not path.exists():
-    raise ValueError(f"{path} does not exist; give the --config.workdir of a run that has logged a step "
-                     "with this version of meshlm.")
+    raise ValueError(f"{path} does not exist; {advice}")
   attempts: dict[float, dict] = {}
-  for record in records(path):
-    attempts[record["started_at"]] = record  # the last word of each attempt
-  ordered = [attempts[start] for start in sorted(attempts)]
-  total = {cause: sum(a[cause] for a in ordered) for cause in CAUSES}
-  total["restart"] += sum(max(0.0, after["started_at"] - (before["started_at"] + before["wall"]))
-                          for before, after in zip(ordered, ordered[1:]))
+  try:
+    for record in records(path):
+      attempts[record["started_at"]] = record  # the last word of each attempt
+    ordered = [attempts[start] for start in sorted(attempts)]
+    total = {cause: sum(a[cause] for a in ordered) for cause in CAUSES}
+    total["restart"] += sum(max(0.0, after["started_at"] - (before["started_at"] + before["wall"]))
+                            for before, after in zip(ordered, ordered[1:]))
+  except (ValueError, KeyError, TypeError) as error:  # not JSON, or records without a ledger's fields
+    raise ValueError(f"{path} is not a goodput ledger ({type(error).__name__}: {error}); {advice}") from None
   total["wall"] = sum(total[cause] for cause in CAUSES)
+  if not total["wall"]:  # no record (or none with time in it): its table would be shares of nothing
+    raise ValueError(f"{path} holds no ledger record with time in it; {advice}")
   total["attempts"] = len(ordered)
   return total
 

@@ -39,6 +39,10 @@ import numpy as np
 LLAMA3_HOST_MTBF_HOURS = 2048 * 54 * 24 / 419
 HORIZON = 20  # wall time, in run lengths, after which a run stops: its goodput is below 5% anyway
 SWEEP = 2.0 ** (np.arange(-48, 49) / 16)  # checkpoint intervals tried: 1/8 to 8x Young/Daly's, 4.4% apart
+FIRST_GAPS = 64  # failure times a trial draws at first, and doubles while it needs more
+# The most failure times a plan may draw over its trials: its memory and time grow with them (measured at 10
+# million: 150 MB at the peak, two minutes on one CPU core), and tools/goodput.py refuses inputs that would draw more.
+MAX_FAILURES = 10_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,12 @@ class Failures:
     return self._gaps[:n]
 
 
+def failures_drawn(cluster: Cluster, run: Run, trials: int) -> float:
+  """The failure times a plan is expected to draw at most: each trial's until the horizon (a run that falls that
+  far behind meets them all), at least its first FIRST_GAPS."""
+  return trials * max(FIRST_GAPS, HORIZON * run.seconds / cluster.mtbf_seconds)
+
+
 def draw_failures(cluster: Cluster, trials: int, seed: int) -> list[Failures]:
   return [Failures(cluster, np.random.default_rng([seed, trial])) for trial in range(trials)]
 
@@ -129,7 +139,7 @@ def _restart_trial(failures: Failures, run: Run, recovery: Recovery, every: int)
   # After each failure the run starts again from a save, so each gap between failures is on its own:
   # the recovery, then whole cycles of steps and a save, then the lost rest. Gaps drawn until one is
   # long enough for the run to finish in it, or past the horizon.
-  n = 64
+  n = FIRST_GAPS
   while True:
     gaps = failures.first(n)
     working = gaps - down
@@ -163,7 +173,7 @@ def _survive_trial(failures: Failures, run: Run, recovery: Recovery, every: int,
                    lost: float) -> tuple[float, float]:
   """Work done and wall seconds of one run that survives every failure: a loop over failures and rejoins."""
   pause = recovery.detect + recovery.relayout + recovery.recompile
-  gaps, failed = failures.first(64), 0  # failed: failures so far, the index of the next gap
+  gaps, failed = failures.first(FIRST_GAPS), 0  # failed: failures so far, the index of the next gap
   now = done = busy_until = 0.0  # done: seconds of steps at full speed since the start
   next_failure, rejoins = gaps[0], collections.deque()  # when each lost host's spare comes back
   while True:

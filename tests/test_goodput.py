@@ -10,6 +10,7 @@ import pytest
 from helpers import ROOT
 from measure import goodput
 from measure.goodput import CAUSES, Ledger
+from tools import goodput as goodput_tool
 
 
 def test_a_step_is_productive_the_first_time_and_recomputed_after_a_rollback(monkeypatch):
@@ -49,3 +50,17 @@ def test_a_run_without_a_ledger_is_refused_in_a_sentence(tmp_path):
   (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
   with pytest.raises(ValueError, match=r"^.*goodput.jsonl does not exist; give the --config.workdir of a run that"):
     goodput.run_ledger(tmp_path)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "holds no ledger record with time in it"),
+    ("not a ledger\n", "holds no ledger record with time in it"),
+    ("garbage}\n", "is not a goodput ledger (JSONDecodeError: Expecting value"),
+    ('{"step": 1}\n', "is not a goodput ledger (KeyError: 'started_at')"),
+    ('{"started_at": 1.0, "wall": 0.0}\n', "is not a goodput ledger (KeyError: 'productive')"),
+])
+def test_an_empty_or_garbled_ledger_is_refused_in_one_line(tmp_path, capsys, text, says):
+  (tmp_path / "goodput.jsonl").write_text(text)
+  assert goodput_tool.main([str(tmp_path)]) == 2
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / 'goodput.jsonl'} {says}"), lines

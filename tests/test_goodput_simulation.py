@@ -108,3 +108,20 @@ def test_the_table_has_a_row_per_size_and_strategy(capsys):
       [f"| {devices}", strategy] for devices in (64, 128)
       for strategy in ("checkpoint-restart", "survive: layout redundancy", "survive: peer copies")]
   assert all(re.search(r"\| [01]\.\d{3} ± 0\.\d{3} \|", row) for row in rows), rows
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--devices=102400", "--host-mtbf-hours=0.001"], "--devices 102,400 (12,800 hosts at --host-mtbf-hours 0.001)"),
+    (["--devices=1024", "--hours=1e12"], "--devices 1,024 (128 hosts at --host-mtbf-hours 6335)"),
+    (["--devices=1024", "--trials=1000000"], "--devices 1,024 (128 hosts at --host-mtbf-hours 6335)"),
+])
+def test_a_simulation_past_its_memory_is_refused_before_it_runs(capsys, flags, named):
+  message = refusal(capsys, ["--simulate", "--hours=720", "--step-seconds=6", *flags])
+  assert message.startswith(named) and f"more than the {sim.MAX_FAILURES:,} failure times" in message, message
+  assert message.endswith(".") and not re.search(r"\.\s+[A-Z]", message), f"not one sentence: {message}"
+
+
+def test_without_failures_a_long_run_draws_no_more_than_the_first_gaps(capsys):
+  goodput.main(["--simulate", "--devices=1024", "--hours=1e12", "--step-seconds=6", "--host-mtbf-hours=inf",
+                "--trials=2"])
+  assert "| 1,024 | survive: peer copies |" in capsys.readouterr().out

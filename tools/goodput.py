@@ -137,6 +137,16 @@ def check_simulation(parser, args) -> None:
     if args.steps < 1:
       parser.error(f"--hours {args.hours:g} is less than one step of {args.step_seconds:g} s; give at least "
                    f"{args.step_seconds / 3600:.2g} hours.")
+  run = sim.Run(args.steps, args.step_seconds)
+  for devices in args.devices:  # each size is simulated on its own, its failures freed before the next
+    cluster = sim.Cluster(devices, args.devices_per_host, args.host_mtbf_hours)
+    drawn = sim.failures_drawn(cluster, run, args.trials)
+    if drawn > sim.MAX_FAILURES:
+      parser.error(f"--devices {devices:,} ({cluster.hosts:,} hosts at --host-mtbf-hours {args.host_mtbf_hours:.4g}) "
+                   f"over {run.seconds / 3600:,.6g} hours of steps and {args.trials} trials would draw up to "
+                   f"{drawn:.2g} failure times ({sim.HORIZON}x the run's length in each trial), more than the "
+                   f"{sim.MAX_FAILURES:,} failure times a simulation may hold in memory; give fewer devices, hours "
+                   "or trials, or a longer --host-mtbf-hours.")
 
 
 def duration(seconds: float) -> str:
