@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 from helpers import ROOT, tiny_config
+from measure import analysis
 from model.kv_cache import init_cache
+from parallel.mesh import EXPERT
 from training.checkpoint import Checkpoints
 from training.sample import decode_batch, generate, make_sampler
 from training.state import init_state, plan
@@ -21,7 +23,9 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             "llama window": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
-            "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2}}
+            "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},
+            # The experts split over `expert`, each token sent to them by all-to-all (the slots with C = T).
+            "gpt2 moe expert=2": {"moe.experts": 4, "moe.dropless": True, "mesh.expert": 2, "mesh.tensor": 1}}
 
 
 def full_forward_logits(layout, params, tokens_T):
@@ -58,6 +62,33 @@ def test_cached_greedy_decoding_equals_full_recompute(family):
   assert (top_5 != tokens).any()
   ranks = (logits_5[0] > np.take_along_axis(logits_5[0], top_5[0][:, None], axis=-1)).sum(-1)
   assert ranks.max() < 5  # but every pick is among the 5 most likely
+
+
+def test_expert_parallel_decoding_exchanges_tokens_without_regathering_them(capfd):
+  moe = {"moe.experts": 8, "moe.top_k": 2}  # moe_tiny's routing, with capacity, on README's expert=4 x data=2
+  config = tiny_config(**moe, **{"mesh.expert": 4, "mesh.data": 2})
+  layout = plan(config)
+  batch = decode_batch(layout, 1)
+  params = init_state(layout, config.seed)["params"]
+  sampler = make_sampler(layout, batch=batch, prompt_len=len(PROMPT), num_tokens=6, keep_logits=True)
+  prompt_BP, key = np.tile(PROMPT, (batch, 1)), jax.random.key(0)
+  capfd.readouterr()
+  compiled, partitioned = analysis.compile_partitioned(sampler.lower(params, prompt_BP, key, np.float32(0),
+                                                                     np.int32(0)))
+  # XLA logs a reshard it can only do by replicating the tensor from C++, straight to file descriptor 2.
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+  found = analysis.collectives(compiled, layout.mesh, partitioned=partitioned)
+  # Dispatch and combine: one all-to-all each over `expert`, in the prefill's layer loop and in the decode
+  # step's; neither the tokens nor the experts' weights are gathered in any loop.
+  assert analysis.count_by(found, kind="all-to-all", axes=EXPERT, in_loop=True) == 4, analysis.summary_table(found)
+  assert analysis.count_by(found, kind="all-gather", in_loop=True) == 0, analysis.summary_table(found)
+  # The same tokens and logits as on one device.
+  one_device = plan(tiny_config(**moe, **{"mesh.data": 1}), jax.devices()[:1])
+  alone = make_sampler(one_device, batch=1, prompt_len=len(PROMPT), num_tokens=6, keep_logits=True)
+  tokens_BN, logits_BNV = jax.device_get(compiled(params, prompt_BP, key, np.float32(0), np.int32(0)))
+  expected_1N, expected_1NV = alone(jax.device_get(params), PROMPT[None], key, np.float32(0), np.int32(0))
+  np.testing.assert_array_equal(tokens_BN[:1], expected_1N)
+  np.testing.assert_allclose(logits_BNV[:1], expected_1NV, rtol=1e-5, atol=1e-5)
 
 
 def test_requests_the_cache_cannot_hold_are_refused():
