@@ -101,3 +101,16 @@ def test_an_unknown_kind_is_refused_in_one_line():
 
 def test_the_planner_tries_every_remat_policy():
   assert sorted(planner.REMAT_ORDER) == sorted(REMAT_POLICIES)
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--config.model.num_layerz=3", "error: the config has no field 'num_layerz' (did you mean 'num_layers'?); "
+                                    "configs/base.py lists every field."),
+    ("--config.modle.num_layers=3", "error: the config has no field 'modle' (did you mean 'model'?); "
+                                    "configs/base.py lists every field."),
+    ("--top=0", "error: --top=0 would print no layout; give 1 or more."),
+])
+def test_a_misspelt_field_or_no_layout_to_print_is_refused_in_one_line(flag, says):
+  result = subprocess.run([sys.executable, "tools/plan.py", flag], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [says], result.stderr[-2000:]
