@@ -11,6 +11,7 @@ Which tensor is which weight: interop/hf_mapping.py.
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -290,6 +291,7 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
         array = array[i]
       hf.setdefault(tensor.name.format(**index),
                     _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
+  needed = sum(array.nbytes for array in hf.values()) + sum(path.stat().st_size for path in beside)
   made = [p for p in target.parents if not p.exists()]  # folders made for the export, innermost first
   try:
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -304,11 +306,17 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
       partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
     finally:
       shutil.rmtree(partial, ignore_errors=True)
-  except OSError as error:  # a full disk, or permissions that changed since check_new_directory
+  except (OSError, SafetensorError) as error:
+    # A full disk (safetensors' writer reports it in an error of its own, not an OSError, with the OS's words),
+    # or permissions that changed since check_new_directory.
     for folder in made:
       with contextlib.suppress(OSError):
         folder.rmdir()
-    raise ValueError(f"writing {target} failed ({error}), so nothing was written; make room or export "
+    space = ""
+    if os.strerror(errno.ENOSPC) in str(error):
+      free = shutil.disk_usage(next(p for p in target.parents if p.exists())).free
+      space = f"; the export needs {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free"
+    raise ValueError(f"writing {target} failed ({error}), so nothing was written{space}: make room or export "
                      "to another folder.") from None
   return target
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from helpers import ROOT, tiny_config
@@ -169,20 +170,51 @@ def test_export_py_says_so_in_one_line(tmp_path, read_only):
                                         "writable); export to a folder you can write in."]
 
 
-def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):
+def zero_params():
   layout = plan(tiny_config(), jax.devices()[:1])
-  params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), layout.abstract_state["params"])
+  return layout.model, jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), layout.abstract_state["params"])
+
+
+# How a full disk reaches the export: as an OSError from Python's own writes, and as safetensors' own error
+# (not an OSError) from its writer, whose text holds the OS's.
+FULL = {"OSError": lambda filename: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename),
+        "SafetensorError": lambda filename: SafetensorError("Error while serializing: I/O error: No space left on "
+                                                            "device (os error 28)")}
+
+
+@pytest.mark.parametrize("raised", FULL)
+def test_an_export_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, raised):
+  cfg, params = zero_params()
 
   def disk_fills(tensors, filename, metadata):
     Path(filename).write_bytes(b"half a file")
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+    raise FULL[raised](filename)
 
   monkeypatch.setattr(hf_checkpoint, "save_file", disk_fills)
   target = tmp_path / "new" / "deeper" / "exported"
-  with pytest.raises(ValueError, match=rf"^writing {target} failed \(\[Errno 28\] No space left on device: "
-                                       r".*\), so nothing was written; make room or export to another folder\.$"):
-    hf_checkpoint.write(str(target), layout.model, params)
+  with pytest.raises(ValueError, match=rf"^writing {target} failed \(.*No space left on device.*\), so nothing was "
+                                       r"written; the export needs 0\.5 MiB and [\d.]+ MiB are free: make room or export to "
+                                       r"another folder\.$"):
+    hf_checkpoint.write(str(target), cfg, params)
   assert os.listdir(tmp_path) == [], "no part of the export, nor the folders made for it, is left"
+
+
+def test_an_export_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path):
+  full = tmp_path / "full"
+  full.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)],
+                                         capture_output=True).returncode:
+    pytest.skip("a full disk needs a small tmpfs, which only root on a machine that allows it may mount")
+  try:
+    cfg, params = zero_params()  # 0.5 MiB of weights
+    with pytest.raises(ValueError, match=rf"^writing {full / 'new' / 'exported'} failed \(Error while serializing: "
+                                         r"I/O error: No space left on device.*\), so nothing was written; the export "
+                                         r"needs 0\.5 MiB and 0\.\d MiB are free: make room or export to another "
+                                         r"folder\.$"):
+      hf_checkpoint.write(str(full / "new" / "exported"), cfg, params)
+    assert os.listdir(full) == [], "no part of the export, nor the folders made for it, is left"
+  finally:
+    subprocess.run(["umount", str(full)], check=True)
 
 
 @pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny")])
