@@ -66,8 +66,11 @@ def test_four_processes_lose_two_and_train_on_as_if_nothing_happened(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def last_per_step(records, key):
-  """{step: the last record's `key`}: a run that rolled back logs the steps it redid again."""
+def per_step(records, key):
+  """{step: its record's `key`}, where each step has one: a run that rolled back to a peer copy drops
+  the records of the steps it redoes before it writes them again."""
+  steps = [r["step"] for r in records if key in r]
+  assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
   return {r["step"]: r[key] for r in records if key in r}
 
 
@@ -79,8 +82,9 @@ def survived_beside_whole(tmp_path, kill: str, **overrides):
   config = tiny_config(**{**RUN, **overrides, "workdir": str(tmp_path / "whole")})
   train(config)
   survived, whole = read_metrics(tmp_path / "survived"), read_metrics(tmp_path / "whole")
-  survived_losses, whole_losses = last_per_step(survived, "loss"), last_per_step(whole, "loss")
+  survived_losses, whole_losses = per_step(survived, "loss"), per_step(whole, "loss")
   assert sorted(survived_losses) == list(range(1, config.steps + 1))
+  assert all(speed > 0 for speed in per_step(survived, "tokens_per_sec").values())
   # float32 noise from the reduction order on the survivors' smaller mesh and micro-batches.
   np.testing.assert_allclose([survived_losses[s] for s in sorted(survived_losses)],
                              [whole_losses[s] for s in sorted(survived_losses)], rtol=1e-5)

@@ -51,9 +51,9 @@ class MetricsWriter:
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "metrics.jsonl")
-    _drop_records_after(path, after_step)  # a fresh start (0) too: a crash may predate any checkpoint
-    self._jsonl = open(path, "a")
+    self._path = os.path.join(workdir, "metrics.jsonl")
+    _drop_records_after(self._path, after_step)  # a fresh start (0) too: a crash may predate any checkpoint
+    self._jsonl = open(self._path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
     if config is not None and config.wandb.project:
@@ -71,6 +71,16 @@ class MetricsWriter:
       self._tensorboard.add_scalar(key, value, step)
     if self._wandb is not None:
       self._wandb.log(scalars, step=step)
+
+  def rewind(self, step: int) -> None:
+    """Drops the losses and evaluations after `step`, which a run rolled back to it (a peer copy)
+    computes again; what befell its processes meanwhile stays, as it happened. TensorBoard keeps
+    both; W&B ignores steps below its last, as it does for a resumed run."""
+    if not self.active:
+      return
+    self._jsonl.close()
+    _drop_records_after(self._path, step, redone=lambda record: "loss" in record or "eval_loss" in record)
+    self._jsonl = open(self._path, "a")
 
   def close(self) -> None:
     if self.active:
@@ -92,8 +102,9 @@ class MetricsWriter:
         raise
 
 
-def _drop_records_after(path: str, step: int) -> None:
-  """A resumed run recomputes the steps after its checkpoint; their old records give way.
+def _drop_records_after(path: str, step: int, redone=lambda record: True) -> None:
+  """A resumed run recomputes the steps after its checkpoint; their old records (those `redone`
+  picks) give way.
 
   A torn last line (a crash mid-write) is dropped; a damaged line elsewhere is refused by number.
   """
@@ -112,7 +123,7 @@ def _drop_records_after(path: str, step: int) -> None:
         break
       raise ValueError(f"{path} line {number} is not JSON ({line[:40]!r}); repair or delete that "
                        "line, then run again.") from None
-    if record["step"] <= step:
+    if record["step"] <= step or not redone(record):
       kept.append(line + "\n")
   with open(path + ".tmp", "w") as f:
     f.writelines(kept)
