@@ -163,28 +163,46 @@ def word_tokens(folder, tokenizer_dir):
   return {"data.source": "tokens", "data.path": str(folder)}
 
 
-def test_resuming_on_tokens_of_another_tokenizer_is_refused(trained, word_tokenizer, tmp_path):
+def test_resuming_on_another_data_source_is_refused_before_its_step_is_measured(trained, word_tokenizer, tmp_path):
+  # The built-in corpus's run at its last step, resumed on a token folder: once "nothing to train", rc 0.
   shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
   words = word_tokens(tmp_path.parent / f"{tmp_path.name}-tokens", word_tokenizer)
   before = snapshot(tmp_path)
   with pytest.raises(ValueError, match=(
-      rf"^checkpoint step 10 in {tmp_path}/checkpoints was trained on byte tokens \(vocab 256\), but "
-      rf"{words['data.path']} holds hf:{word_tokenizer} tokens \(vocab 5\), and resuming would mix the two; "
-      r"train on text prepared with --tokenizer=byte, or on this data in another --config.workdir\.$")):
-    train(config_for(tmp_path, steps=15, **words))
+      rf"^checkpoint step 10 in {tmp_path}/checkpoints was trained on the built-in corpus, but this run reads "
+      rf"the token folder {words['data.path']} \(3,686 training tokens\); resume on the data it was trained on, "
+      r"or train on this data in another --config.workdir\.$")):
+    train(config_for(tmp_path, **words))
+  assert snapshot(tmp_path) == before
+
+
+def test_resuming_with_another_optimizer_names_both(trained, tmp_path):
+  shutil.copytree(trained / "checkpoints", tmp_path / "checkpoints")
+  before = snapshot(tmp_path)
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint step 10 in {tmp_path}/checkpoints holds adamw's state, but this run's optimizer is sgd; "
+      r"resume with --config.optimizer.name=adamw, or start sgd in another --config.workdir")):
+    train(config_for(tmp_path, steps=15, **{"optimizer.name": "sgd"}))
   assert snapshot(tmp_path) == before
 
 
 def test_a_tokenizer_is_known_by_its_content_and_a_checkpoint_without_a_record_by_nothing(word_tokenizer, tmp_path):
   train(config_for(tmp_path / "run", steps=5, **word_tokens(tmp_path / "tokens", word_tokenizer)))
-  # The same tokenizer.json in another directory is the same tokenizer.
+  # The same tokens and tokenizer.json in other directories are the same data and tokenizer.
   shutil.copytree(word_tokenizer, tmp_path / "copy")
   copy = word_tokens(tmp_path / "tokens-copy", tmp_path / "copy")
   assert train(config_for(tmp_path / "run", steps=10, **copy))["step"] == 10
-  with pytest.raises(ValueError, match=r"^checkpoint step 10 .* was trained on hf:.* \(vocab 5\), but .* holds byte "):
-    train(config_for(tmp_path / "run", steps=15))
-  # Checkpoints saved before the record existed name no tokenizer and resume on any.
-  for record in (tmp_path / "run" / "checkpoints").glob("*/tokenizer"):
+  # Its tokenizer.json rewritten in place, another vocabulary of the same size: the message says what changed.
+  swapped = json.loads((tmp_path / "copy" / "tokenizer.json").read_text())
+  vocab = swapped["model"]["vocab"]
+  vocab["the"], vocab["mesh"] = vocab["mesh"], vocab["the"]
+  (tmp_path / "copy" / "tokenizer.json").write_text(json.dumps(swapped))
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint step 10 .* was trained on hf:{tmp_path}/copy \(vocab 5\) \(sha256 [0-9a-f]{{12}}\) tokens, but "
+      rf".* holds hf:{tmp_path}/copy \(vocab 5\) \(sha256 [0-9a-f]{{12}}\) tokens, and resuming would mix the two")):
+    train(config_for(tmp_path / "run", steps=15, **copy))
+  # Checkpoints saved before the records existed name no tokenizer and no data, and resume on any.
+  for record in [*(tmp_path / "run" / "checkpoints").glob("*/tokenizer"), *(tmp_path / "run" / "checkpoints").glob("*/data")]:
     shutil.rmtree(record)
   assert train(config_for(tmp_path / "run", steps=15))["step"] == 15
 

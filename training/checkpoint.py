@@ -30,15 +30,16 @@ class Checkpoints:
   """The checkpoints of one workdir."""
 
   def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False,
-               tokenizer: dict | None = None, surviving_log=None):
+               tokenizer: dict | None = None, data: dict | None = None, surviving_log=None):
     """`keep` None keeps all (validate.py asks for >= 1). A process `joining` a run in progress opens
     the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier.
-    `tokenizer` (tokenizer_record) is saved with each checkpoint; None saves none. `surviving_log`
+    `tokenizer` (tokenizer_record) and `data` (data_record) are saved with each checkpoint; None saves
+    none. `surviving_log`
     (a surviving run's): a save that a lost process broke is told to it in a line, and the run goes on."""
     self._surviving_log = surviving_log
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
-    self._tokenizer = tokenizer
+    self._tokenizer, self._data = tokenizer, data
     self._state_bytes = 0  # of the last state saved: what a failed save needed
     self._unchecked_save = False  # a save was started whose outcome `check` has not yet seen
     self._keep = keep
@@ -59,7 +60,8 @@ class Checkpoints:
     return ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-                       "fingerprints": ocp.JsonCheckpointHandler(), "tokenizer": ocp.JsonCheckpointHandler()})
+                       "fingerprints": ocp.JsonCheckpointHandler(), "tokenizer": ocp.JsonCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler()})
 
   def reopen_for(self, processes: set[int], step: int) -> None:
     """Save with `processes` from `step` on, after some were lost or came back (fault_tolerance=survive).
@@ -118,6 +120,8 @@ class Checkpoints:
                "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
       if self._tokenizer is not None:
         items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
+      if self._data is not None:
+        items["data"] = ocp.args.JsonSave(self._data)
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._unchecked_save = True
 
@@ -185,6 +189,23 @@ class Checkpoints:
     return self._read(step, lambda: self._manager.restore(
         step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
+  def check_same_run(self, step: int, config) -> None:
+    """Refuses, in one line, to resume `step` with another data source or optimizer than it was
+    trained with: the steps after it would train on other text, or read a state that is not theirs.
+    A checkpoint saved before the data record existed names no data: it passes."""
+    if self._data is not None and (self.directory / str(step) / "data").is_dir():
+      saved = self._read(step, lambda: self._manager.restore(
+          step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
+      if saved["identity"] != self._data["identity"]:
+        raise ValueError(f"checkpoint step {step} in {self.directory} was trained on {saved['described']}, but "
+                         f"this run reads {self._data['described']}; resume on the data it was trained on, or "
+                         "train on this data in another --config.workdir.")
+    was, now = self.stored_config(step)["optimizer"]["name"], config.optimizer.name
+    if was != now:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds {was}'s state, but this run's "
+                       f"optimizer is {now}; resume with --config.optimizer.name={was}, or start {now} in "
+                       "another --config.workdir (or from these weights with --config.branch_from).")
+
   def check_tokenizer(self, step: int, data: str) -> None:
     """Refuses, in one line, to resume `step` on tokens of another tokenizer than the one it was trained
     on, which would mix the two in every later checkpoint; `data` names where this run's tokens come
@@ -194,10 +215,12 @@ class Checkpoints:
     saved = self._read(step, lambda: self._manager.restore(
         step, args=ocp.args.Composite(tokenizer=ocp.args.JsonRestore()))["tokenizer"])
     if _identity(saved) != _identity(self._tokenizer):
-      raise ValueError(f"checkpoint step {step} in {self.directory} was trained on {saved['name']} tokens "
-                       f"(vocab {saved['vocab_size']}), but {data} holds {self._tokenizer['name']} tokens "
-                       f"(vocab {self._tokenizer['vocab_size']}), and resuming would mix the two; train on text "
-                       f"prepared with --tokenizer={saved['name']}, or on this data in another --config.workdir.")
+      was, now = _described(saved), _described(self._tokenizer)
+      if was == now:  # one name and size, another content: a tokenizer.json changed in place
+        was, now = (f"{was} (sha256 {record.get('sha256', 'unrecorded')[:12]})" for record in (saved, self._tokenizer))
+      raise ValueError(f"checkpoint step {step} in {self.directory} was trained on {was} tokens, but {data} "
+                       f"holds {now} tokens, and resuming would mix the two; train on text prepared with "
+                       f"--tokenizer={saved['name']} as it was, or on this data in another --config.workdir.")
 
   def restore_params(self, step: int, abstract_params):
     """Only the params of `step` (no optimizer state), laid out by the shardings in `abstract_params`."""
@@ -260,6 +283,16 @@ class _QuietFailedSaves(logging.Filter):
 _QUIET_FAILED_SAVES = _QuietFailedSaves()
 
 
+def data_record(source: str, split) -> dict:
+  """What a checkpoint keeps of the text it was trained on (data.source and its train split): a token
+  folder is known by its training tokens' count, wherever it lies (as a tokenizer by its content), the
+  built-in corpus by its name (its size follows the Python version that built it)."""
+  if source == "builtin":
+    return {"identity": ["builtin"], "described": "the built-in corpus"}
+  return {"identity": ["tokens", len(split.tokens)],
+          "described": f"the token folder {split.origin} ({len(split.tokens):,} training tokens)"}
+
+
 def tokenizer_record(tokenizer) -> dict:
   """What a checkpoint keeps of the tokenizer its text went through: its name and vocabulary size, and
   for a Hugging Face tokenizer a hash of its content, since the same tokenizer may lie in another
@@ -268,6 +301,10 @@ def tokenizer_record(tokenizer) -> dict:
   if isinstance(tokenizer, HfTokenizer):
     record["sha256"] = hashlib.sha256(tokenizer.content().encode()).hexdigest()
   return record
+
+
+def _described(record: dict) -> str:
+  return f"{record['name']} (vocab {record['vocab_size']})"
 
 
 def _identity(record: dict) -> tuple:
