@@ -24,7 +24,7 @@ from resilience.workdir_lock import WorkdirLock
 from run.local_stepper import LocalStepper
 from run.nonfinite import NonfiniteUpdates
 from training import metrics
-from training.checkpoint import Checkpoints, cast_like, tokenizer_record
+from training.checkpoint import Checkpoints, cast_like, data_record, tokenizer_record
 from training.sample import check_request, encode_prompt, generate
 from training.state import abstract_inputs, active_param_count, init_state, param_count, plan, state_from_params
 from training.step import all_finite
@@ -74,15 +74,17 @@ def train(config, dry_run: bool = False) -> dict:
   branch, branch_step = _open_branch(config.branch_from, config.workdir)
   checkpoints = Checkpoints(config.workdir, every=config.checkpoint.every, keep=config.checkpoint.keep,
                             joining=joining, tokenizer=None if synthetic else tokenizer_record(text_tokenizer),
+                            data=None if synthetic else data_record(config.data.source, train_split),
                             surviving_log=_log if surviving else None)
   lock = WorkdirLock(config.workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   try:
     # Signals are recorded from here on, so a SIGTERM while compiling still ends the run cleanly.
     with StopRequests() as stop, lock:
       start = None if joining else _resume_step(checkpoints, config.resume)
-      if start is not None:
-        _check_not_past(start, config.steps, checkpoints)
+      if start is not None:  # another run's checkpoint is named before its step is measured
+        checkpoints.check_same_run(start, config)
         checkpoints.check_tokenizer(start, train_split.origin)
+        _check_not_past(start, config.steps, checkpoints)
       elif branch is not None:
         _check_not_past(branch_step, config.steps, branch)
         branch.check_tokenizer(branch_step, train_split.origin)
@@ -211,10 +213,13 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
   with stepper, writer, tqdm(initial=start, total=config.steps, disable=jax.process_index() != 0,
                              leave=False) as bar:
     for finished in stepper.steps():
+      if finished.step <= done:  # a surviving run rolled back to a peer copy: it redoes the steps since
+        writer.rewind(finished.step - 1)
+        interval_from = min(interval_from, finished.step - 1)  # the redone steps' time counts the recovery's
       done, state = finished.step, finished.state
       ledger.add("data_wait", finished.data_seconds)
       ledger.add("evaluation", finished.eval_seconds)
-      bar.update(done - bar.n)  # a surviving run that rolled back to a peer copy goes back too
+      bar.update(done - bar.n)
       if any(event.changes_processes for event in finished.events):
         checkpoints.reopen_for(processes_of(stepper.layout), step=done)
       for event in finished.events:
