@@ -55,11 +55,15 @@ def main(argv):
   if _SIMULATE_DEVICES.value:
     _simulate(_SIMULATE_DEVICES.value, _DRY_RUN.value)
   from run.loop import train  # after flag parsing: importing jax earlier would fix its flags too soon
+  from run.run_name import default_workdir
   config_file = flags.FLAGS["config"].config_filename.split(":")[0]
   if not os.path.isfile(config_file):
     sys.exit(f"error: the config file {config_file!r} does not exist; give one like configs/gpt2.py:tiny.")
+  config = _CONFIG.value
+  if not config.workdir:  # the command names the run's place: the same command resumes it
+    config.workdir = default_workdir(sys.argv[1:])
   try:
-    train(_CONFIG.value, dry_run=_DRY_RUN.value)
+    train(config, dry_run=_DRY_RUN.value)
   except ValueError as error:
     # Configuration mistakes are raised as one-sentence ValueErrors before anything compiles.
     sys.exit(f"error: {error}")

@@ -11,7 +11,9 @@ import ml_collections
 def base() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.workdir = "runs/default"
+  # Empty: train.py names it from the command (run/run_name.py), runs/<config>-<variant>[-<digest of
+  # the overrides>], so the same command resumes its run and another command starts its own.
+  c.workdir = ""
   c.steps = 300
   c.batch_size = 32  # global batch, in sequences, summed over all devices
   c.grad_accum = 1  # micro-batches per step, accumulated inside the compiled step

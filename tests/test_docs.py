@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT
+from run.run_name import default_workdir
 
 MANIFEST = ROOT / "docs" / "commands.json"
 README_MAX_LINES = 250
@@ -118,9 +120,9 @@ def test_the_manifest_lists_exactly_the_commands_of_the_docs():
 
 def test_each_entry_is_run_by_a_test_or_says_why_not():
   for command, entry in manifest().items():
-    assert set(entry) in ({"run_by"}, {"not_run"}, {"not_run", "closest"}), (
+    assert set(entry) - {"resumes"} in ({"run_by"}, {"not_run"}, {"not_run", "closest"}), (
         f"{command!r}: an entry is {{\"run_by\": TEST}} or {{\"not_run\": WHY}} (with \"closest\": TEST "
-        f"optional), not {entry}")
+        f"and \"resumes\": WHY optional), not {entry}")
     assert all(isinstance(value, str) and value.strip() for value in entry.values()), f"{command!r}: {entry}"
 
 
@@ -207,3 +209,32 @@ def test_the_code_map_names_every_module_and_no_other():
   assert not unnamed, ("README's code map does not name these modules; add a line each saying its job:\n  "
                        + "\n  ".join(unnamed))
   assert not gone, "README's code map names files that do not exist (moved or renamed?):\n  " + "\n  ".join(gone)
+
+
+def training_workdir(command: str) -> str | None:
+  """The workdir a documented command trains into (train.py's, or train.py's under tools/launch.py),
+  as train.py names it; None for a command that trains nothing (a dry run, another tool)."""
+  words = shlex.split(command.split("\n")[0])
+  if "train.py" not in words or "--dry_run" in words:
+    return None
+  flags = words[words.index("train.py") + 1:]
+  given = [flag.split("=", 1)[1] for flag in flags if flag.startswith("--config.workdir=")]
+  return os.path.normpath(given[-1] if given else default_workdir(flags))
+
+
+def test_no_two_documented_runs_share_a_workdir_unless_one_resumes_the_other():
+  # A newcomer runs the pages' commands in order; a second run in the first one's workdir resumes it,
+  # or refuses its checkpoint, or finds nothing to train. Each page's resumes say so in the manifest.
+  # The processes of one multi-host run differ only in their ids.
+  one_run = lambda command: re.sub(r"--config\.distributed\.process_id=\d+|\s*&$", "", command)
+  first, shared = {}, []
+  for command in documented():
+    workdir = training_workdir(command)
+    if workdir is None:
+      continue
+    if workdir in first and one_run(command) != one_run(first[workdir]) and "resumes" not in manifest()[command]:
+      shared.append(f"  {workdir}:\n    {first[workdir]}\n    {command}")
+    first.setdefault(workdir, command)
+  assert not shared, ("documented commands that train into the same workdir, the later not marked as a resume "
+                      "in docs/commands.json (\"resumes\": WHY); give one its own --config.workdir:\n"
+                      + "\n".join(shared))

@@ -1,12 +1,15 @@
 """`python train.py` end to end, `--dry_run`, and bad input refused in one line before compiling."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from helpers import ROOT, read_metrics
+from run.run_name import default_workdir
+from tools.launch import workdir_of
 
 
 def run_train(*flags, devices=8):
@@ -72,3 +75,34 @@ def test_a_config_file_with_a_syntax_error_is_one_line(overrides, tmp_path):
       f"error: the config file '{config_file}' has a syntax error at line 1 (invalid syntax); fix it, or "
       "give another such as configs/gpt2.py:tiny."]
   assert not (tmp_path / "run").exists()
+
+
+def test_a_run_without_a_workdir_is_named_from_its_command():
+  assert default_workdir([]) == "runs/gpt2-tiny"
+  moe = ["--config=configs/gpt2.py:moe_tiny", "--config.mesh.expert=4"]
+  assert re.fullmatch(r"runs/gpt2-moe_tiny-[0-9a-f]{8}", default_workdir(moe))
+  # Written either way absl reads it, the same command; the cadence of logs and saves, and each process's id
+  # in a multi-host run, do not change what is trained.
+  assert default_workdir(["--config", "configs/gpt2.py:moe_tiny", "--config.mesh.expert", "4"]) == default_workdir(moe)
+  assert default_workdir([*moe, "--config.log_every=1", "--config.checkpoint.every=5",
+                          "--config.distributed.process_id=1"]) == default_workdir(moe)
+  # What it trains, its layout or its length: another run, in a place of its own.
+  others = [["--config.precision.compute=float16"], ["--config.steps=100"], ["--config.mesh.data=8"],
+            ["--config.data.source=tokens", "--config.data.path=data/a"], ["--config=configs/llama.py:tiny"]]
+  assert len({default_workdir(flags) for flags in others} | {"runs/gpt2-tiny"}) == len(others) + 1
+  # tools/launch.py watches the workdir its processes write to.
+  assert workdir_of(["train.py", *moe]) == (ROOT / default_workdir(moe)).resolve()
+  assert workdir_of(["train.py", *moe, "--config.workdir=runs/x"]) == (ROOT / "runs/x").resolve()
+
+
+def test_train_writes_where_its_command_names_it(tmp_path):
+  # From another directory: the workdir is relative to where train.py is run, as a given one is.
+  flags = ["--config.steps=2", "--config.eval_every=0", "--config.sample_tokens=0", "--config.model.num_layers=1",
+           "--config.mesh.data=8"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+             PYTHONPATH=str(ROOT))
+  result = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert f"writing to {default_workdir(flags)}" in result.stdout
+  assert [r["step"] for r in read_metrics(tmp_path / default_workdir(flags)) if "loss" in r] == [2]

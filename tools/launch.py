@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from run.run_name import default_workdir
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,8 +76,9 @@ def parse_kill(text: str, processes: int, parser) -> tuple[int, int, float]:
 
 
 def workdir_of(command: list[str]) -> Path:
+  """The workdir train.py (`command[0]`) writes to, run from the repository's root as the processes are."""
   given = [arg.split("=", 1)[1] for arg in command if arg.startswith("--config.workdir=")]
-  return (ROOT / (given[-1] if given else "runs/default")).resolve()
+  return (ROOT / (given[-1] if given else default_workdir(command[1:]))).resolve()
 
 
 def free_port() -> int:
