@@ -159,6 +159,11 @@ def from_hf(init_from: str, mesh_sizes: dict | None = None, compute: str | None 
   config, checkpoint = base(), open_init_from(init_from)
   config.init_from = init_from
   checkpoint.configure(config)
+  if tokenizer.vocab_size > config.model.vocab_size:  # as train.py refuses token data of a larger vocabulary
+    raise ValueError(f"{init_from}'s tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
+                     f"of {config.model.vocab_size} (config.json's vocab_size), and the ids past "
+                     f"{config.model.vocab_size - 1} would be scored as garbage; save the tokenizer the model was "
+                     "trained with beside it.")
   if max_len and not FAMILIES[config.model.family].rotary and max_len != config.model.max_len:
     raise ValueError(f"--max_len={max_len}: {init_from}'s learned positions are {config.model.max_len}; leave "
                      "--max_len out.")

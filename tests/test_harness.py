@@ -9,21 +9,26 @@ on both sides, differing in the order of reductions), greedy flags and generated
 metric, to the same 1e-5.
 """
 
+import functools
 import json
 import subprocess
 import sys
 
 import jax
+import lm_eval.tasks
 import numpy as np
 import pytest
+from absl import flags
 
-from helpers import END_OF_TEXT, ROOT, byte_level_bpe, run_reference
+from helpers import END_OF_TEXT, ROOT, byte_level_bpe, run_reference, tiny_config
 from input_pipeline import data
+from interop import hf_checkpoint
 from interop.harness import MeshlmLM, from_hf, split_perplexity
+from tools import evaluate as evaluate_tool
 from tools import prepare
 from tools.evaluate import evaluate, task_manager
 from training.checkpoint import Checkpoints
-from training.state import state_from_params
+from training.state import plan, state_from_params
 from training.step import make_eval_step
 
 WORDS = "the mesh trains the model on every device and the model learns the words of the mesh".split()
@@ -187,3 +192,54 @@ def test_perplexity_of_a_masked_split_scores_only_its_completions(checkpoints, t
   picked = [lp[m == 1] for lp, m in zip(log_probs, masks)]
   assert scored == sum(m.sum() for m in masks) < sum(m.size for m in masks)  # the completions, not every token
   np.testing.assert_allclose(perplexity, np.exp(-np.concatenate(picked).mean()), rtol=1e-5)
+
+
+def exported_with_tokenizer(folder, ids: int):
+  """A tiny GPT-2 of 300 vocabulary rows written as a Hugging Face directory (no transformers needed), with a
+  byte-level BPE of `ids` ids beside it."""
+  layout = plan(tiny_config(**{"model.vocab_size": 300}), jax.devices()[:1])
+  params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), layout.abstract_state["params"])
+  hf_checkpoint.write(str(folder), layout.model, params)
+  bpe = byte_level_bpe([" ".join(WORDS)] * 20, 270)
+  bpe.add_tokens([f"<extra_{i}>" for i in range(ids - bpe.get_vocab_size())])
+  assert bpe.get_vocab_size() == ids
+  bpe.save(str(folder / "tokenizer.json"))
+  (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT}))
+  return folder
+
+
+def test_an_import_whose_tokenizer_has_ids_past_its_vocabulary_is_refused(tmp_path):
+  folder = exported_with_tokenizer(tmp_path / "model", ids=400)
+  with pytest.raises(ValueError, match=rf"^hf:{folder}'s tokenizer has 400 ids, more than the model's vocabulary "
+                                       r"of 300 \(config.json's vocab_size\), and the ids past 299 would be scored "
+                                       r"as garbage; save the tokenizer the model was trained with beside it\.$"):
+    from_hf(f"hf:{folder}")
+
+
+def evaluate_main(*argv) -> str:
+  """What tools/evaluate.py, run in this process with `argv`, exits with."""
+  flags.FLAGS(["evaluate.py", *argv])
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      evaluate_tool.main(["evaluate.py"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  return stopped.value.code
+
+
+def test_evaluate_py_refuses_a_task_without_its_data_and_an_empty_batch_in_one_line(tmp_path, monkeypatch):
+  # Only the local tasks indexed: the harness's own thousands take 15 s, and none is asked for.
+  monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,
+                                                                     include_defaults=False))
+  model = f"--init_from=hf:{exported_with_tokenizer(tmp_path / 'model', ids=290)}"
+  (tmp_path / "tasks").mkdir()
+  write_tasks(tmp_path / "tasks")
+  (tmp_path / "tasks" / "choice.jsonl").unlink()
+  tasks = ["--tasks=meshlm_choice", f"--include_path={tmp_path / 'tasks'}"]
+  assert evaluate_main(model, *tasks, "--batch_size=0") == (
+      "evaluate.py: --batch_size=0 scores nothing; give 1 or more requests (or --perplexity windows) per forward "
+      "pass.")
+  assert evaluate_main(model, *tasks) == (
+      f"evaluate.py: the data of --tasks meshlm_choice cannot be found (Unable to find "
+      f"'{tmp_path / 'tasks' / 'choice.jsonl'}'); put it where the task's YAML says (dataset_path, dataset_kwargs) "
+      "or correct the YAML.")

@@ -52,7 +52,11 @@ def task_manager(tasks: list, include_path: str | None = None):
 def evaluate(model, tasks: list, manager, limit: int | None = None) -> dict:
   """The harness's results for `tasks` on an lm_eval model, with each document's requests and answers."""
   import lm_eval  # pylint: disable=import-outside-toplevel
-  return lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit, log_samples=True)
+  try:
+    return lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit, log_samples=True)
+  except FileNotFoundError as error:  # the datasets library's, as the tasks are built, before a request is scored
+    raise ValueError(f"the data of --tasks {','.join(tasks)} cannot be found ({error}); put it where the task's "
+                     "YAML says (dataset_path, dataset_kwargs) or correct the YAML.") from None
 
 
 def main(argv):
@@ -74,6 +78,9 @@ def main(argv):
       raise ValueError("give one of --tasks (harness tasks) and --perplexity (a split of the run's tokens).")
     if _PERPLEXITY.value and not _WORKDIR.value:
       raise ValueError("--perplexity scores the token split a run trained on: give its --workdir.")
+    if _BATCH_SIZE.value < 1:
+      raise ValueError(f"--batch_size={_BATCH_SIZE.value} scores nothing; give 1 or more requests (or --perplexity "
+                       "windows) per forward pass.")
     manager = task_manager(_TASKS.value, _INCLUDE_PATH.value) if _TASKS.value else None  # before any compile
     mesh = mesh_sizes(_MESH.value) if _MESH.value else None
     if _WORKDIR.value:
