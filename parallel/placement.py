@@ -35,8 +35,10 @@ def for_stages(layout) -> Placement:
 
 
 def for_decoding(layout) -> Placement:
-  """Decoding's: activations pinned by DECODE_RULES, and nothing else (attention reads the cache)."""
-  return _pinned(layout.mesh, DECODE_RULES)
+  """Decoding's: activations pinned by DECODE_RULES, and experts sharded over `expert` by all-to-all as in
+  the train step (left to the partitioner, the batch-sharded slots would be replicated and re-split by
+  expert at every token); attention reads the cache."""
+  return dataclasses.replace(_pinned(layout.mesh, DECODE_RULES), experts=for_layout(layout).experts)
 
 
 def _pinned(mesh, table) -> Placement:

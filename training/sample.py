@@ -5,7 +5,6 @@ new token is one forward pass over a single position inside a `lax.scan`, so
 generating N tokens compiles one program and recomputes nothing.
 """
 
-import dataclasses
 import math
 
 import jax
@@ -60,9 +59,7 @@ def _pick(logits_BV, key, temperature, top_k):
 def make_sampler(layout: Layout, *, batch: int, prompt_len: int, num_tokens: int, keep_logits: bool = False):
   """A jitted (params, prompt_BP, key, temperature, top_k) -> (tokens_BN, logits_BNV or None) for these sizes."""
   cfg = layout.model
-  # Experts sharded over `expert` take their tokens by all-to-all, as in the train step: left to the
-  # partitioner, the batch-sharded slots would be replicated and re-split by expert at every token.
-  decoding = dataclasses.replace(placement.for_decoding(layout), experts=placement.for_layout(layout).experts)
+  decoding = placement.for_decoding(layout)
 
   def run(params, prompt_BP, key, temperature, top_k):
     with placed(decoding):
