@@ -4,12 +4,16 @@ A local file or folder of parquet, jsonl/json, arrow, csv or text files (one
 format per dataset; a text file's rows are its lines), or, on a machine that
 reaches the hub, a dataset's name. Everything is streamed, so a corpus larger
 than memory works; JSON and parquet are read as records, never as raw text.
+Local json and jsonl files are read here with Python's json module, each record
+exactly as written (see _json_records for what `datasets` would change).
 Files are read one at a time, so that a refusal names the file and the record:
-one without the field, one that is not UTF-8, a file unlike its format.
+one without the field, one whose field is not text, one that is not UTF-8, a
+file unlike its format.
 """
 
 import functools
 import itertools
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +35,12 @@ def dataset_conversations(dataset: str, messages_field: str) -> Iterator[list]:
                                                       read=_messages))
 
 
+def dataset_completions(dataset: str, prompt_field: str, completion_field: str) -> Iterator[tuple[str, str]]:
+  """Each record's (prompt, completion), in order; refuses, in one line, a record that lacks either."""
+  return dataset_records(dataset, {"--text_field": prompt_field, "--completion_field": completion_field},
+                         read=_present_text)
+
+
 def dataset_records(dataset: str, fields: dict[str, str], split: str = "train", read=None) -> Iterator[tuple]:
   """Each record's texts of `fields` ({the flag that names it: a field}), in order, as a tuple (or what
   `read(record, number, file, flag, field)` makes of each field); refuses a missing dataset, or one without
@@ -45,8 +55,9 @@ def dataset_records(dataset: str, fields: dict[str, str], split: str = "train", 
   if path.exists():
     builder, files = _local_files(path)
     # A file at a time, so that a refusal names the file it is about.
-    sources = [(str(file), builder, functools.partial(datasets.load_dataset, builder, data_files=[str(file)],
-                                                      split="train", streaming=True)) for file in files]
+    sources = [(str(file), builder, functools.partial(_json_records, str(file)) if builder == "json" else
+                functools.partial(datasets.load_dataset, builder, data_files=[str(file)], split="train",
+                                  streaming=True)) for file in files]
   else:
     sources = [(dataset, None, functools.partial(datasets.load_dataset, dataset, split=split, streaming=True))]
   texts = _texts(sources, fields, read or _text)
@@ -77,9 +88,7 @@ def _texts(sources, fields: dict[str, str], read) -> Iterator[tuple]:
         yield tuple(read(record, number, name, flag, field) for flag, field in fields.items())
     except UnicodeDecodeError as error:
       number = _first_not_utf8(load, builder)
-      failure = (f"{name if number is None else f'record {number} of {name}'} is not UTF-8 (byte "
-                 f"{error.object[error.start]:#04x}: {error.reason}); re-encode the file as UTF-8, or drop "
-                 "that record.")
+      failure = _not_utf8(name if number is None else f"record {number} of {name}", error)
     except pa.ArrowInvalid as error:
       failure = (f"{name} cannot be read as {builder or 'a dataset'} ({str(error).splitlines()[0]}); give files "
                  "in the format their names say.")
@@ -89,21 +98,67 @@ def _texts(sources, fields: dict[str, str], read) -> Iterator[tuple]:
       raise ValueError(failure)
 
 
+def _json_records(file: str) -> Iterator[dict]:
+  """The records of a json file as written: one JSON object a line, or one array of them.
+
+  Read here, not by `datasets`, which reads a field of mixed types (a number among strings, a message with a
+  key the others lack) as JSON text: decoded again, a string such as "42" comes back a number, and where the
+  file's first part fixed the field's type (in a file that is one array, or past a long file's first 10 MB)
+  every value of the field comes in quotes, so that a bad record is read as a good one."""
+  with open(file, "rb") as f:
+    if f.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+      f.seek(0)
+      records = _json_value(f.read(), file)
+    else:
+      f.seek(0)
+      records = (_json_value(line, f"record {number} of {file}")
+                 for number, line in enumerate(line for line in f if line.strip()))
+    for number, record in enumerate(records):
+      if not isinstance(record, dict):
+        raise ValueError(f"record {number} of {file} is a {type(record).__name__}, not an object of fields; give "
+                         "one JSON object a line, or one array of them.")
+      yield record
+
+
+def _json_value(raw: bytes, where: str):
+  try:
+    return json.loads(raw.decode("utf-8-sig"))  # a byte order mark may open the file
+  except UnicodeDecodeError as error:
+    raise ValueError(_not_utf8(where, error)) from None
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{where} is not JSON ({error}); give one JSON object a line, or one array of them.") from None
+
+
+def _not_utf8(where: str, error: UnicodeDecodeError) -> str:
+  return (f"{where} is not UTF-8 (byte {error.object[error.start]:#04x}: {error.reason}); re-encode the file as "
+          "UTF-8, or drop that record.")
+
+
+def _present_text(record: dict, number: int, name: str, flag: str, field: str) -> str:
+  """_text of a field that every record fills: a prompt or completion of null (as parquet and csv give a field a
+  record lacks) is no empty document but a record without one."""
+  if record.get(field, "") is None:
+    raise ValueError(f"record {number} of {name} holds null in {field!r}, not text; give that record its text (an "
+                     "empty string will do), or drop it.")
+  return _text(record, number, name, flag, field)
+
+
 def _text(record: dict, number: int, name: str, flag: str, field: str) -> str:
   if field not in record:
     raise ValueError(f"record {number} of {name} has no field {field!r}; its fields are "
-                     f"{', '.join(sorted(record))}: pass one as {flag}.")
+                     f"{', '.join(sorted(record))}: pass one as {flag}, or drop that record.")
   text = record[field]
   if text is not None and not isinstance(text, str):  # None: an empty cell, an empty document
     raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {field!r}, not "
-                     f"text; pass the field that holds each document's text as {flag}.")
+                     f"text; pass the field that holds each document's text as {flag}, or drop that record.")
   return text or ""
 
 
 def _messages(record: dict, number: int, name: str, flag: str, field: str) -> list:
   if field not in record:
     raise ValueError(f"record {number} of {name} has no field {field!r}; its fields are "
-                     f"{', '.join(sorted(record))}: pass the one holding the conversation as {flag}.")
+                     f"{', '.join(sorted(record))}: pass the one holding the conversation as {flag}, or drop "
+                     "that record.")
   messages = record[field]
   well_formed = isinstance(messages, list) and messages and all(
       isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)

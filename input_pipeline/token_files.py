@@ -40,6 +40,11 @@ def check_ids(ids: np.ndarray, vocab_size: int, *, where: str, first: int = 0) -
                      f"vocabulary [0, {vocab_size}); re-tokenize with the tokenizer meta.json names.")
 
 
+def scores_any(mask: np.ndarray) -> bool:
+  """Whether a loss mask of some tokens scores one, read SCAN_TOKENS at a time up to the first chunk that does."""
+  return not len(mask) or any(mask[first:first + SCAN_TOKENS].any() for first in range(0, len(mask), SCAN_TOKENS))
+
+
 def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
                        val_fraction: float, extra_meta: dict | None = None, masked: bool = False) -> dict:
   """Streams token chunks into train.bin / val.bin / meta.json; returns the meta.
@@ -74,6 +79,12 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
         everything.seek(train_tokens * itemsize)
         shutil.copyfileobj(everything, val)
       os.truncate(temps[f"train.{kind}"], train_tokens * itemsize)
+    for split, count in (("train", train_tokens), ("val", val_tokens)) if masked else ():
+      if count and not scores_any(np.memmap(temps[f"{split}.mask"], dtype=np.uint8, mode="r", shape=(count,))):
+        raise ValueError(f"the {split} split of {folder} would score none of its {count:,} tokens: no assistant "
+                         "turn or completion falls in it, so its loss would be 0 at every step and teach nothing; "
+                         "give records whose answers are scored"
+                         + (", or a --val_fraction whose tail holds some." if split == "val" else "."))
     meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=dtype.name,
                 train_tokens=train_tokens, val_tokens=val_tokens, **({"loss_mask": True} if masked else {}),
                 **(extra_meta or {}))
@@ -137,7 +148,7 @@ def open_tokens(folder, split: str) -> np.ndarray:
 
 def open_mask(folder, split: str) -> np.ndarray | None:
   """The split's loss mask (one uint8 per token, 1 where scored) as a read-only memmap, or None where the
-  folder's meta.json holds no loss_mask (every token is scored)."""
+  folder's meta.json holds no loss_mask (every token is scored); refuses a mask that scores none of its tokens."""
   folder = Path(folder)
   meta = read_meta(folder)
   if not meta.get("loss_mask"):
@@ -146,7 +157,12 @@ def open_mask(folder, split: str) -> np.ndarray | None:
   if not path.is_file() or path.stat().st_size != count:
     raise ValueError(f"{path} is missing or does not hold the {count} flags its meta.json promises; "
                      f"recreate the folder with `{PREPARE_COMMAND.format(folder)} --overwrite`.")
-  return np.memmap(path, dtype=np.uint8, mode="r", shape=(count,)) if count else np.zeros(0, np.uint8)
+  mask = np.memmap(path, dtype=np.uint8, mode="r", shape=(count,)) if count else np.zeros(0, np.uint8)
+  if not scores_any(mask):  # else every step's loss and gradients are 0, and the run learns nothing
+    raise ValueError(f"{path} scores none of its {count:,} tokens (every flag is 0): the loss would be 0 at every "
+                     "step and teach nothing; prepare the folder again from records whose answers are scored "
+                     "(tools/prepare.py --completion_field or --messages_field).")
+  return mask
 
 
 def check_file_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:

@@ -5,11 +5,13 @@ import json
 
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from flax import nnx
 
 from helpers import assert_tree_close, data_config, objective_and_gradients, read_metrics, setup, tiny_config
-from input_pipeline import data, tokenizer
+from input_pipeline import data, token_files, tokenizer
 from model.placement import placed
 from model.transformer import token_losses
 from parallel import placement
@@ -53,6 +55,13 @@ def test_completions_need_records(tmp_path):
                                        "--completion_field"):
     prepare.prepare(None, tmp_path / "out", dataset=str(write_records(tmp_path / "r.jsonl")), text_field="prompt",
                     completion_field="answer")
+  # A parquet file gives a cell that a record lacks as null: that record has no completion, not an empty one.
+  pq.write_table(pa.Table.from_pylist([{**r, "completion": None if i == 50 else r["completion"]}
+                                       for i, r in enumerate(RECORDS[:101])]), tmp_path / "r.parquet")
+  with pytest.raises(ValueError, match=r"^record 50 of .*/r\.parquet holds null in 'completion', not text; give that "
+                                       r"record its text \(an empty string will do\), or drop it\.$"):
+    prepare.prepare(None, tmp_path / "out", dataset=str(tmp_path / "r.parquet"), text_field="prompt",
+                    completion_field="completion")
   assert not (tmp_path / "out").exists()
 
 
@@ -116,3 +125,27 @@ def test_a_run_on_completions_learns_the_answers(tmp_path):
   assert losses[-1] < 0.7 * losses[0], losses
   evaluated = [r["eval_loss"] for r in read_metrics(tmp_path / "run") if "eval_loss" in r]
   assert len(evaluated) == 1 and evaluated[0] < 2, evaluated  # the val split's answers, scored the same way
+
+
+def test_a_split_that_scores_no_token_is_refused_before_compiling(tmp_path, monkeypatch):
+  prepare.prepare(None, tmp_path / "sums", dataset=str(write_records(tmp_path / "sums.jsonl")), text_field="prompt",
+                  completion_field="completion", val_fraction=0.1)
+  config = tiny_config(**{"data.source": "tokens", "data.path": str(tmp_path / "sums"), "sample_tokens": 0,
+                          "steps": 2, "workdir": str(tmp_path / "run")})
+  masks = {split: tmp_path / "sums" / f"{split}.mask" for split in ("train", "val")}
+  scored = {split: np.fromfile(path, np.uint8) for split, path in masks.items()}
+  # Read a chunk at a time up to the first that scores a token: one scored at the very end is found.
+  monkeypatch.setattr(token_files, "SCAN_TOKENS", 1000)
+  for split, path in masks.items():
+    np.zeros_like(scored[split]).tofile(path)
+    with pytest.raises(ValueError, match=rf"^{path} scores none of its {len(scored[split]):,} tokens \(every flag "
+                                         r"is 0\): the loss would be 0 at every step and teach nothing; prepare the "
+                                         r"folder again from records whose answers are scored \(tools/prepare\.py "
+                                         r"--completion_field or --messages_field\)\.$"):
+      train(config)
+    assert not (tmp_path / "run").exists()
+    last_only = np.zeros_like(scored[split])
+    last_only[-1] = 1
+    last_only.tofile(path)
+    assert data.open_split(data_config(path=tmp_path / "sums"), split, vocab_size=256).mask[-1] == 1
+    scored[split].tofile(path)

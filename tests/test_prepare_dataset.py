@@ -64,6 +64,9 @@ def test_parallel_workers_write_the_same_tokens_in_order(tmp_path):
     (lambda d: None, "no-such-owner/no-such-dataset", "text", r"is neither a local file or folder nor a dataset"),
     (lambda d: write_jsonl(d / "r.jsonl", DOCUMENTS), "{d}/r.jsonl", "id",
      r"^record 0 of .*/r.jsonl has a int in 'id', not text; pass the field that holds each document's text"),
+    # One JSON array whose field mixes types: `datasets` reads it as JSON text, each string in quotes.
+    (lambda d: (d / "r.json").write_text(json.dumps([{"text": 30 if i == 30 else t} for i, t in enumerate(DOCUMENTS)])),
+     "{d}/r.json", "text", r"^record 30 of .*/r.json has a int in 'text', not text; pass the field that holds"),
     (lambda d: (d / "mixed").mkdir() or write_jsonl(d / "mixed" / "a.jsonl", DOCUMENTS)
      or (d / "mixed" / "b.txt").write_text("x"), "{d}/mixed", "text", r"mixes formats \(json, text\)"),
 ])

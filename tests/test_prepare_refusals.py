@@ -1,5 +1,6 @@
 """tools/prepare.py refuses what it cannot tokenize in one line, writes nothing, and loses no dataset already there."""
 
+import json
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-from helpers import ROOT, write_corpus
+from helpers import END_OF_TEXT, ROOT, byte_level_bpe, write_corpus
 from tools import prepare
 
 NOT_UTF8 = [b"fine", b"also fine", b"caf\xff au lait", b"fine again"]  # record 2 is not UTF-8
@@ -25,6 +26,33 @@ def tokenizer_with_a_bad_config(d):
   (d / "tok").mkdir()
   Tokenizer(models.WordLevel({"a": 0, "<|endoftext|>": 1}, unk_token="a")).save(str(d / "tok" / "tokenizer.json"))
   (d / "tok" / "tokenizer_config.json").write_text('{"eos_token": ')
+
+
+def records(path, count=101, change=lambda number, record: None, array=False):
+  """Writes `count` prompt and completion records, each first given to `change`: as JSON lines, or one array."""
+  written = []
+  for number in range(count):
+    written.append({"prompt": f"{number} + 1 = ", "completion": str(number + 1)})
+    change(number, written[-1])
+  path.write_text(json.dumps(written) if array else "".join(json.dumps(record) + "\n" for record in written))
+
+
+def chat_tokenizer(d):
+  """A byte-level BPE with a plain chat template: each turn its role, a colon and its content on a line."""
+  (d / "chat").mkdir()
+  byte_level_bpe(["system: be brief", "user: hi", "assistant: hello"], 300).save(str(d / "chat" / "tokenizer.json"))
+  (d / "chat" / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT, "chat_template": (
+      "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+      "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")}))
+
+
+def conversations(d, name, change):
+  """chat_tokenizer's folder, and 101 conversations of a user's turn and the assistant's as a JSON array,
+  each first given to `change`."""
+  chat_tokenizer(d)
+  (d / name).write_text(json.dumps([{"messages": change(n, [{"role": "user", "content": f"{n} + 1?"},
+                                                              {"role": "assistant", "content": str(n + 1)}])}
+                                     for n in range(101)]))
 
 
 def bad_parquet_folder(d):
@@ -61,6 +89,38 @@ CASES = {  # name: (make the input under d, the flags, the refusal)
     "csv not UTF-8": (
         lambda d: (d / "r.csv").write_bytes(b"text\n" + b"\n".join(NOT_UTF8)), ["--dataset={d}/r.csv"],
         r"record 2 of .*/r\.csv is not UTF-8"),
+    # Every record is checked, not the first alone.
+    "record 50 of 101 without its completion": (
+        lambda d: records(d / "r.jsonl", change=lambda n, r: n == 50 and r.pop("completion")),
+        ["--dataset={d}/r.jsonl", "--text_field=prompt", "--completion_field=completion"],
+        r"record 50 of .*/r\.jsonl has no field 'completion'; its fields are prompt: pass one as "
+        r"--completion_field, or drop that record\.$"),
+    "record 50 of 101 with a null prompt": (
+        lambda d: records(d / "r.jsonl", change=lambda n, r: n == 50 and r.update(prompt=None)),
+        ["--dataset={d}/r.jsonl", "--text_field=prompt", "--completion_field=completion"],
+        r"record 50 of .*/r\.jsonl holds null in 'prompt', not text; give that record its text \(an empty "
+        r"string will do\), or drop it\.$"),
+    # One JSON array: `datasets` turns a field of mixed types into JSON text, and hands that text on.
+    "an int completion in record 30 of a JSON array": (
+        lambda d: records(d / "r.json", change=lambda n, r: n == 30 and r.update(completion=31), array=True),
+        ["--dataset={d}/r.json", "--text_field=prompt", "--completion_field=completion"],
+        r"record 30 of .*/r\.json has a int in 'completion', not text"),
+    "text for a conversation in record 30 of a JSON array": (
+        lambda d: conversations(d, "c.json", lambda n, m: "31" if n == 30 else m),
+        ["--dataset={d}/c.json", "--messages_field=messages", "--tokenizer=hf:{d}/chat"],
+        r"record 30 of .*/c\.json holds '31' in 'messages', not a conversation"),
+    "conversations of system turns alone": (
+        lambda d: conversations(d, "c.json", lambda n, m: [{"role": "system", "content": m[0]["content"]}]),
+        ["--dataset={d}/c.json", "--messages_field=messages", "--tokenizer=hf:{d}/chat"],
+        r"the train split of .*/out would score none of its [\d,]+ tokens: no assistant turn or completion "
+        r"falls in it, so its loss would be 0 at every step and teach nothing; give records whose answers are "
+        r"scored\.$"),
+    "a val split past the last answer": (
+        lambda d: conversations(d, "c.json", lambda n, m: m if n < 50 else m[:1]),
+        ["--dataset={d}/c.json", "--messages_field=messages", "--tokenizer=hf:{d}/chat", "--val_fraction=0.2"],
+        r"the val split of .*/out would score none of its [\d,]+ tokens: no assistant turn or completion "
+        r"falls in it, so its loss would be 0 at every step and teach nothing; give records whose answers are "
+        r"scored, or a --val_fraction whose tail holds some\.$"),
 }
 
 

@@ -10,7 +10,9 @@
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD; each
 file is one document. --dataset: each record's --text_field is one document, read through
 Hugging Face `datasets` (input_pipeline/dataset_texts.py: local parquet, jsonl, arrow, csv or text
-files, or a hub name when online), so JSON and parquet are never tokenized as raw text.
+files, or a hub name when online; local json and jsonl by Python's json, record by record), so JSON and
+parquet are never tokenized as raw text. Every record is checked: one without the field, or with something
+other than text in it, is refused by its number.
 Documents are followed by the tokenizer's end-of-text: a newline for `byte`, <|endoftext|>
 for `gpt2`, the tokenizer's eos_token for `hf:DIR`. --workers processes tokenize in
 parallel, in order, with a progress bar of tokens and tokens/s. The last --val_fraction of
@@ -18,12 +20,14 @@ the tokens is the val split. Writes train.bin, val.bin and meta.json (format:
 input_pipeline/token_files.py), each whole or not at all.
 
 --completion_field (with --dataset) prepares instruction data for fine-tuning on completions: each
-record is its --text_field (the prompt) followed by its --completion_field and the end-of-text, and
-train.mask / val.mask mark the completion's tokens and the end-of-text as the only ones scored.
+record is its --text_field (the prompt) followed by its --completion_field and the end-of-text (a record
+where either is null is refused), and train.mask / val.mask mark the completion's tokens and the end-of-text
+as the only ones scored.
 --messages_field (with --dataset and an hf:DIR tokenizer) does the same for conversations: each record's
 field is a list of {"role", "content"} messages, rendered with the tokenizer's own chat template
 (input_pipeline/chat_template.py), and the assistant's turns are the tokens scored (with the end-of-text
-when the conversation ends on one).
+when the conversation ends on one). A split in which no token is scored (its loss would be 0 at every step)
+is refused.
 """
 
 import gc
@@ -40,8 +44,8 @@ from absl import app, flags, logging  # pylint: disable=wrong-import-position
 from tqdm import tqdm  # pylint: disable=wrong-import-position
 
 from input_pipeline import chat_template, token_files, tokenizer  # pylint: disable=wrong-import-position
-from input_pipeline.dataset_texts import (FORMATS, dataset_conversations, dataset_records,  # pylint: disable=wrong-import-position
-                                          dataset_texts)
+from input_pipeline.dataset_texts import (FORMATS, dataset_completions,  # pylint: disable=wrong-import-position
+                                          dataset_conversations, dataset_texts)
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.
@@ -96,7 +100,7 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
     chat_template.ChatTemplate(tok.folder)  # refuses a tokenizer without a template before reading
     texts = dataset_conversations(dataset, messages_field)
   elif completion_field:
-    texts = dataset_records(dataset, {"--text_field": text_field, "--completion_field": completion_field})
+    texts = dataset_completions(dataset, text_field, completion_field)
   elif dataset is not None:
     texts = dataset_texts(dataset, text_field)
   else:
