@@ -7,29 +7,16 @@
 """
 
 import os
-import re
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from run.config_flag import define_config_flag
 
 
-def _define_config_flag():
-  try:
-    return config_flags.DEFINE_config_file(
-        "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "gpt2.py:tiny"),
-        "A config file and variant, e.g. configs/gpt2.py:124m; fields by --config.<field>=<value>.",
-        lock_config=True)
-  except (KeyError, AttributeError) as error:
-    # ml_collections checks `--config.<field>` overrides while defining the flag and
-    # raises with a multi-line message; say it in one line instead.
-    unknown = re.findall(r"\w+", str(error))[0]
-    hint = re.search(r'Did you mean \W*"(\w+)', str(error))
-    sys.exit(f"error: the config has no field {unknown!r}"
-             f"{f' (did you mean {hint.group(1)!r}?)' if hint else ''}; configs/base.py lists every field.")
-
-
-_CONFIG = _define_config_flag()
+_CONFIG = define_config_flag(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "gpt2.py:tiny"),
+    "A config file and variant, e.g. configs/gpt2.py:124m; fields by --config.<field>=<value>.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the step and report memory and collectives; no training.")
 _SIMULATE_DEVICES = flags.DEFINE_integer(
     "simulate_devices", 0, "Run on this many simulated CPU devices (0: the real ones); with --dry_run, "

@@ -14,32 +14,18 @@ prediction. A model that fits nowhere gets one line naming the smallest
 cluster it would fit.
 """
 
-import re
 import sys
 import time
 from pathlib import Path
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 # `python tools/plan.py` puts tools/ on sys.path, not the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from run.config_flag import define_config_flag
 
-def _define_config_flag():
-  try:
-    return config_flags.DEFINE_config_file("config", "configs/gpt2.py:tiny",
-                                           "Model config; --config.<field> sets fields.")
-  except (KeyError, AttributeError) as error:
-    # ml_collections applies the `--config.<field>` overrides while defining the flag, and a misspelt field
-    # raises three chained tracebacks whose message holds the field and its nearest name.
-    field = re.findall(r"\w+", str(error))[0]
-    hint = re.search(r'Did you mean \W*"(\w+)', str(error))
-    sys.exit(f"error: the config has no field {field!r}{f' (did you mean {hint.group(1)!r}?)' if hint else ''}; "
-             "configs/base.py lists every field.")
-
-
-_CONFIG = _define_config_flag()
+_CONFIG = define_config_flag("configs/gpt2.py:tiny", "Model config; --config.<field> sets fields.")
 _KIND = flags.DEFINE_string("kind", "h100", "Device kind (measure/hardware.py KINDS).")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices in the cluster.")
 _FAST_GROUP = flags.DEFINE_integer("fast_group", 0, "Devices per node or slice (0: the kind's usual).")
