@@ -16,8 +16,10 @@ from helpers import (assert_params_close, batch_at, objective_and_gradients, par
 from measure import analysis, estimate
 from measure.dry_run import compile_partitioned_train_step, model_weights
 from run.loop import train
+from tools.export import export
 from training import schedule_free
-from training.state import plan
+from training.checkpoint import Checkpoints
+from training.state import init_state, plan
 
 SCHEDULE_FREE = {"optimizer.name": "schedule_free_adamw", "schedule.decay": "constant"}
 
@@ -101,3 +103,26 @@ def test_the_state_holds_z_and_v_and_zero1_gathers_z_once():
     estimated[name] = estimate.collectives(config, dict(layout.mesh.shape), model_weights(config))[key]
   assert estimated["schedule-free"] == 2 * estimated["adamw"]
   assert sent["schedule-free"] - sent["adamw"] == estimated["adamw"], (sent, estimated)
+
+
+def test_a_checkpoint_written_while_the_state_held_a_first_moment_is_refused_naming_the_change(tmp_path):
+  """Before commit c25a3c0 the inner AdamW (b1 = 0) held a first moment, always zero: a checkpoint of that
+  layout is refused in one line that names it and leaves it as it was, and its weights still export."""
+  config = tiny_config(**SCHEDULE_FREE, steps=4, eval_every=0, sample_tokens=0, workdir=str(tmp_path / "run"))
+  with pytest.MonkeyPatch.context() as patch:  # optax.adamw(b1=0)'s first stage, as the inner rule was then
+    patch.setattr(optax, "scale_by_rms", lambda b2, eps, **_: optax.scale_by_adam(b1=0.0, b2=b2, eps=eps))
+    old = init_state(plan(config), config.seed)
+  checkpoints = Checkpoints(config.workdir, every=0, keep=None)
+  checkpoints.save_now(2, old, config)
+  checkpoints.close()
+  before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+  moments = len(jax.tree.leaves(old["params"]))
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint step 2 in {tmp_path}/run/checkpoints holds schedule-free AdamW's state as written before "
+      rf"commit c25a3c0 dropped its first moment \(its {moments} leaves under opt_state/1/base_optimizer_state/0/mu, "
+      r"always zero\), .*; resume it with a checkout from before c25a3c0 \(git checkout c25a3c0~1\), or export "
+      r"its weights with tools/export\.py and start from them with --config\.init_from=hf:")) as raised:
+    train(config)
+  assert "\n" not in str(raised.value)
+  assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+  assert export(config.workdir, str(tmp_path / "exported")).startswith("exported step 2")

@@ -23,6 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from input_pipeline.tokenizer import HfTokenizer
+from training import schedule_free
 from training.fingerprint import fingerprints
 
 
@@ -322,6 +323,8 @@ def _check_same_shapes(stored, abstract_state, where: str) -> None:
       raise ValueError(f"{where} was saved {'with' if extra else 'without'} float16's loss scale, and this "
                        f"config runs {'without' if extra else 'with'} one; resume with the precision.compute "
                        f"it was written with{' (float16)' if extra else ''} or choose another workdir.")
+    if schedule_free.held_a_first_moment(extra, missing):
+      raise ValueError(_written_with_a_first_moment(where, extra))
     held = "a different model" if any(name.startswith("params/") for name in extra + missing) else \
         "another optimizer's state (an optimizer.* setting differs)"
     raise ValueError(f"{where} holds {held} (missing {missing[:3]}, unexpected "
@@ -332,6 +335,17 @@ def _check_same_shapes(stored, abstract_state, where: str) -> None:
       raise ValueError(f"{where} holds {name} with shape {tuple(stored_leaves[name].shape)}, but "
                        f"this config needs {tuple(wanted.shape)}; use the config it was written "
                        "with or another workdir.")
+
+
+def _written_with_a_first_moment(where: str, extra: list[str]) -> str:
+  """The refusal of a schedule-free checkpoint written before c25a3c0. Only its weights can still be read
+  (tools/export.py reads the params alone): a resume restores the whole state, and so does branch_from."""
+  moment = extra[0][:extra[0].index(schedule_free.FIRST_MOMENT) + len(schedule_free.FIRST_MOMENT)]
+  return (f"{where} holds schedule-free AdamW's state as written before commit c25a3c0 dropped its first moment "
+          f"(its {len(extra)} leaves under {moment}, always zero), which this code's state of z and v cannot "
+          "restore; resume it with a checkout from before c25a3c0 (git checkout c25a3c0~1), or export its "
+          "weights with tools/export.py and start from them with --config.init_from=hf:<that directory> in "
+          "another --config.workdir.")
 
 
 def _weights_first(names) -> list[str]:

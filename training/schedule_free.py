@@ -31,6 +31,16 @@ def gradient_point(opt_state, params):
   return params if state is None else _between(params, state.z, state.b1)
 
 
+# Where the inner AdamW's first moment lay in the state, always zero, until commit c25a3c0 dropped it.
+FIRST_MOMENT = "base_optimizer_state/0/mu"
+
+
+def held_a_first_moment(unexpected: list[str], missing: list[str]) -> bool:
+  """Whether a checkpoint's leaves differ from this state's only by that first moment: this optimizer's
+  layout before c25a3c0, which no longer restores, rather than another optimizer's state."""
+  return bool(unexpected) and not missing and all(f"/{FIRST_MOMENT}/" in name for name in unexpected)
+
+
 def schedule_free_adamw(learning_rate, b1, b2, eps, weight_decay, decays) -> optax.GradientTransformation:
   """optax's schedule-free AdamW (decoupled decay where `decays`, taken at y) on parameters held at x."""
   # AdamW with b1 = 0, as optax's schedule_free_adamw builds it: scale_by_rms does not hold Adam's first
