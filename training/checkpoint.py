@@ -117,7 +117,7 @@ class Checkpoints:
     # Orbax also raises an earlier async save's error here; the fingerprints of a state sharded over
     # processes are sums across them, which a lost process fails too.
     with self._reporting_failed_saves():
-      items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config.to_dict()),
+      items = {"state": ocp.args.StandardSave(_savable(state)), "config": ocp.args.JsonSave(config.to_dict()),
                "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
       if self._tokenizer is not None:
         items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
@@ -205,7 +205,8 @@ class Checkpoints:
     if was != now:
       raise ValueError(f"checkpoint step {step} in {self.directory} holds {was}'s state, but this run's "
                        f"optimizer is {now}; resume with --config.optimizer.name={was}, or start {now} in "
-                       "another --config.workdir (or from these weights with --config.branch_from).")
+                       "another --config.workdir (from these weights: tools/export.py, then "
+                       "--config.init_from=hf:<its output>).")
 
   def check_tokenizer(self, step: int, data: str) -> None:
     """Refuses, in one line, to resume `step` on tokens of another tokenizer than the one it was trained
@@ -351,6 +352,16 @@ def _written_with_a_first_moment(where: str, extra: list[str]) -> str:
 def _weights_first(names) -> list[str]:
   """Leaf names with the params first: the leaf a user recognises is the one to name."""
   return sorted(names, key=lambda n: not n.startswith("params"))
+
+
+def _savable(state):
+  """`state` as orbax will save it. A surviving run shrunk to process 0 alone holds every array on that
+  process's devices while the run still counts the lost processes, and orbax refuses such arrays in a
+  run of several processes (it takes them for pmap's host-local ones); as host arrays they are saved
+  by process 0, the one left, and restore onto any mesh like the others."""
+  if jax.process_count() == 1:
+    return state
+  return jax.tree.map(lambda leaf: jax.device_get(leaf) if leaf.is_fully_addressable else leaf, state)
 
 
 def _named_fingerprints(state) -> dict[str, int]:
