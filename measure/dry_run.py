@@ -6,10 +6,10 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from measure import analysis, estimate, tiers
+from measure import analysis, estimate, saved_for_backward, tiers
 from model.hidden import matrix_sides
 from parallel import schedules
-from parallel.mesh import PIPELINE, slow_tier_shape
+from parallel.mesh import PIPELINE, TENSOR, slow_tier_shape
 from training.state import Layout, abstract_inputs, build_model, model_config, param_count
 from training.step import make_train_step
 
@@ -120,6 +120,16 @@ def format_flops(rows) -> str:
   return "\n".join(lines)
 
 
+def saved_section(layout: Layout, config, compiled) -> str:
+  """What one layer keeps for the backward pass (measure/saved_for_backward.py), and that figure over the
+  device's layers and tokens of one micro-batch beside the compiled step's temporaries."""
+  mesh = dict(layout.mesh.shape)
+  return saved_for_backward.format_budget(
+      saved_for_backward.budget(layout.model), layers=config.model.num_layers // mesh[PIPELINE],
+      tokens=estimate.dims(config, mesh).tokens, temporaries=analysis.memory_summary(compiled)["temp_bytes"],
+      tensor=mesh[TENSOR])
+
+
 def report(layout: Layout, config) -> str:
   """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective."""
   compiled, partitioned = compile_partitioned_train_step(layout, config)
@@ -139,6 +149,7 @@ def report(layout: Layout, config) -> str:
               "slices or hosts; compiled: the slices or hosts each replica group spans):",
               format_tiers(tier_rows(config, dict(layout.mesh.shape), slow, found))]
              if math.prod(slow.values()) > 1 else []),
+           saved_section(layout, config, compiled),
            format_flops(flops_rows(config, dict(layout.mesh.shape), compiled, partitioned)),
            "collectives in the partitioned train step:", analysis.summary_table(found)]
   return "\n".join(lines)
