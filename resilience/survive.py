@@ -154,6 +154,9 @@ class Survivor:
     self._laid_out = LaidOut(layout, config, train_step, eval_step, frozenset(self._all_devices))
     self._copy_every = config.peer_copy_every
     self.copies = self._copies_for(layout)
+    # The last copy kept on an earlier layout, until this layout keeps its own: a second loss before
+    # then rolls back to it rather than ending the run.
+    self._older_copy = None
     self._prepared: LaidOut | None = None  # laid out over the live devices, the state not yet moved
     self._told, self._copies_told = (), None  # events for the next step; the copies whose first was told
 
@@ -217,14 +220,16 @@ class Survivor:
         self._failed(began)
         continue
       if self.copies:
-        self._tell_first_copy(self.copies.block_done())
+        kept = self.copies.block_done()
+        self._older_copy = None if kept is not None else self._older_copy
+        self._tell_first_copy(kept)
       if outcome is None:  # laid out and compiled; the state moves in the next block
         self._interruptions = self._interruptions.compiled(began)
         continue
       if isinstance(outcome, _Relaid):
         self._interruptions = self._interruptions.relaid(began, outcome.came_back, outcome.rolled_back_to)
         self._laid_out, state = outcome.laid_out, outcome.state
-        self.copies = self._copies_for(self.layout)
+        self._older_copy, self.copies = self._last_copy(), self._copies_for(self.layout)
         self._step_count = int(jax.device_get(state["step"]))
         continue
       state, self._step_count = outcome.state, self._step_count + 1
@@ -296,7 +301,7 @@ class Survivor:
     came_back = tuple(sorted(processes_of(laid_out.layout) - processes_of(self.layout))) if grow else None
     if grow or lost_shard(self.layout, live) is None:
       return _Relaid(laid_out, jax.block_until_ready(relocate(state, self.layout, laid_out.layout, live)), came_back, None)
-    kept = self.copies.kept
+    kept = self._last_copy()
     rebuilt = kept.restore(laid_out.layout, {d.process_index for d in live})
     return _Relaid(laid_out, jax.block_until_ready(rebuilt), came_back, kept.step)
 
@@ -330,13 +335,19 @@ class Survivor:
     lost = lost_shard(self.layout, live)
     if lost is None:
       return None
-    if self.copies is None:
+    if self.copies is None and self._older_copy is None:
       return (f"{lost} has a shard that only a lost process held (the state is sharded over processes, not "
               f"replicated: ZeRO or a model axis spans them), and no peer copies were kept "
               f"(--config.peer_copy_every=K keeps them)")
-    if self.copies.kept is None:
+    copy = self._last_copy()
+    if copy is None:
       return f"{lost} has a shard that only a lost process held, and no peer copy had been kept yet"
-    return self.copies.kept.missing({device.process_index for device in live})
+    return copy.missing({device.process_index for device in live})
+
+  def _last_copy(self):
+    """The newest peer copy every live process kept: this layout's, else the older layout's (None: none)."""
+    kept = self.copies.kept if self.copies else None
+    return kept if kept is not None else self._older_copy
 
 
 class SurvivingStepper(Stepper):

@@ -5,6 +5,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -310,3 +311,21 @@ def test_a_peer_late_by_more_than_a_heartbeat_is_waited_for_not_abandoned(tmp_pa
       process.kill()
   # The sum of ones over the 4 devices, on both: gloo prints its connections first.
   assert [out.splitlines()[-1:] for out, _ in outputs] == [["4"], ["4"]], [err[-1500:] for _, err in outputs]
+
+
+def test_a_second_loss_before_the_new_layouts_first_copy_rolls_back_to_the_copy_before(monkeypatch):
+  # After a relayout the new layout keeps its first peer copy K steps later; a loss before then used to
+  # end the run although the copy kept on the layout before still held every shard.
+  config = tiny_config(**{"mesh.data": 8, "sharding.zero": 3, "batch_size": 24})
+  survivor = Survivor(config, plan(config), split=None, evaluate=None, eval_due=lambda done: False,
+                      compile_steps=lambda layout, config: (None, None))
+  monkeypatch.setattr(survive, "processes_of", lambda layout: {0, 1, 3})  # one process stands in for three
+  monkeypatch.setattr(survive, "lost_shard", lambda layout, live: "params/blocks/attn/out_bias")
+  survivor.copies = types.SimpleNamespace(kept=None)  # the new layout's, none kept yet
+  assert survivor._unrecoverable(jax.devices()[:4]).endswith("and no peer copy had been kept yet")
+  older = types.SimpleNamespace(step=2, missing=lambda live_processes: None)
+  survivor._older_copy = older
+  assert survivor._unrecoverable(jax.devices()[:4]) is None and survivor._last_copy() is older
+  # Where the older copy lost a shard too, its own sentence says which.
+  survivor._older_copy = types.SimpleNamespace(step=2, missing=lambda live_processes: "shard [0:2] was lost")
+  assert survivor._unrecoverable(jax.devices()[:4]) == "shard [0:2] was lost"
