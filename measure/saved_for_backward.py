@@ -127,11 +127,12 @@ def _inside_attention(eqn) -> bool:
 
 def _line(eqn) -> str:
   """The repository line that made the equation (its innermost frame in this repository), its primitive
-  and the start of its text."""
+  and the start of its text; else the function its traceback starts in (a value jax made again, as a
+  recomputed activation's output, can carry only jax's own frames)."""
   frames = eqn.source_info.traceback.frames if eqn.source_info.traceback else []
   frame = next((f for f in frames if f.file_name.startswith(str(ROOT)) and "/.venv" not in f.file_name), None)
   if frame is None:
-    return eqn.primitive.name
+    return f"{eqn.primitive.name} in {frames[-1].function_name}" if frames else eqn.primitive.name
   text = linecache.getline(frame.file_name, frame.line_num).strip()
   text = text if len(text) <= SOURCE_WIDTH else text[:SOURCE_WIDTH - 3] + "..."
   return f"{Path(frame.file_name).relative_to(ROOT)}:{frame.line_num} {eqn.primitive.name}: {text}"
