@@ -195,13 +195,18 @@ SETUP = ("PYENV_VERSION=3.11 python3 -m venv .venv-hf && "
          ".venv-hf/bin/pip install -r tests/hf_reference_requirements.txt")
 
 
-def run_reference(jobs: list, where: Path) -> None:
-  """Run jobs in the transformers sidecar; in CI a missing sidecar fails the test instead of skipping it."""
+def need_sidecar() -> None:
+  """Skips a test that needs the transformers sidecar where it is missing; in CI, fails it instead."""
   if not SIDECAR.exists():
     message = f"the transformers sidecar {SIDECAR} is missing; set it up with: {SETUP}"
     if os.environ.get("CI"):
       pytest.fail(message)
     pytest.skip(message)
+
+
+def run_reference(jobs: list, where: Path) -> None:
+  """Run jobs in the transformers sidecar; in CI a missing sidecar fails the test instead of skipping it."""
+  need_sidecar()
   jobs_file = where / "jobs.json"
   jobs_file.write_text(json.dumps(jobs))
   result = subprocess.run([str(SIDECAR), str(ROOT / "tests" / "hf_reference.py"), str(jobs_file)],

@@ -6,13 +6,12 @@ D-unit is one bfloat16 vector of the width per token, 128 bytes.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, SETUP, SIDECAR, tiny_config
+from helpers import ROOT, SIDECAR, need_sidecar, tiny_config
 from measure import saved_for_backward
 from training.state import model_config
 
@@ -75,11 +74,7 @@ def test_the_step_total_is_per_layer_times_layers_times_tokens():
 
 
 def test_torch_side_saves_what_inductors_partitioner_keeps():
-  if not SIDECAR.exists():
-    message = f"the transformers sidecar {SIDECAR} is missing; set it up with: {SETUP}"
-    if os.environ.get("CI"):
-      pytest.fail(message)
-    pytest.skip(message)
+  need_sidecar()
   job = {"width": D, "heads": 4, "mlp": F, "length": 32, "epsilon": 1e-5, "dtype": "bfloat16"}
   result = subprocess.run([str(SIDECAR), str(TOOL), "--torch_side", json.dumps(job)], capture_output=True,
                           text=True, timeout=300)
