@@ -69,3 +69,17 @@ def test_a_process_lost_during_a_save_is_named_as_the_cause_not_a_full_disk(tmp_
       "saved, so the same command starts over from step 0." in output
   assert "Traceback" not in output
   assert not (tmp_path / "checkpoints" / "3").exists()
+
+
+def test_without_survive_mode_the_launcher_explains_the_fate_sharing_abort_last(tmp_path):
+  # JAX's fate sharing aborts process 0 after process 1's loss, printing a C++ stack on this console
+  # (why the survivors cannot end in a line of their own: tools/launch.py's first_to_fail). The
+  # launcher's line comes after it, naming the lost process, the abort and the checkpoint to resume from.
+  result = subprocess.run(launch_command(tmp_path, "--kill=1@step=3", steps=400, **{"checkpoint.every": 2}),
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=250)
+  assert result.returncode == 128 + signal.SIGABRT, what_went_wrong(result.stdout)
+  last = result.stdout.splitlines()[-1]
+  assert re.fullmatch(r"launch: process 1 ended first \(killed by SIGKILL from --kill\), and the job with it "
+                      r"\(JAX's fate sharing aborted process 0: the C\+\+ stack above is that abort, not a second "
+                      r"fault\): (run the same command to resume from checkpoint step \d+|no checkpoint was saved, "
+                      r"so the same command starts over from step 0)\.", last), last

@@ -202,12 +202,20 @@ def first_to_fail(processes: list[subprocess.Popen], ended: dict[int, float], vi
   failed = [i for i in ended if processes[i].returncode]
   first = min(failed, key=lambda i: (ended[i], processes[i].returncode != -signal.SIGKILL, i))
   code = processes[first].returncode
+  # Process 0 prints to this console: without survive mode, JAX's fate sharing ends it after another
+  # process's loss by SIGABRT, with a C++ stack that reads like a fault of its own. It cannot end in a
+  # line of its own instead: its collective with the lost process may block until that abort (jaxlib's
+  # hook for the abort takes no Python callback), and under jax_enable_recoverability, which turns the
+  # loss into an exception, an async save's barrier with the lost process can hold it until orbax's
+  # timeout (20 minutes), and --restart-after waits for every process to end.
+  aborted = (" (JAX's fate sharing aborted process 0: the C++ stack above is that abort, not a second fault)"
+             if first != 0 and processes[0].returncode == -signal.SIGABRT else "")
   if code > 0:
     where = "above" if first == 0 else f"in {logs / f'process{first}.log'}"
-    return f"process {first} ended first (exit status {code}), and the job with it; its error is {where}."
+    return f"process {first} ended first (exit status {code}), and the job with it{aborted}; its error is {where}."
   how = f"killed by {signal.Signals(-code).name}" + (" from --kill" if first in victims else "")
   host = ("; process 0 hosts the coordination service, so every process ended with it" if first == 0 else
-          ", and the job with it")
+          f", and the job with it{aborted}")
   return f"process {first} ended first ({how}){host}: {resume_advice(workdir)}."
 
 
