@@ -84,12 +84,13 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
 
 
 def _profile(config, compiled, state, batch) -> None:
-  """With `profile_steps` FIRST,LAST: one more window of LAST - FIRST + 1 steps, traced into <workdir>/profile."""
+  """With `profile_steps` FIRST,LAST: one more window of LAST - FIRST + 1 steps, traced into <workdir>/profile
+  (runs/bench/profile where the spec names no workdir: a measurement writes nothing else)."""
   window = parse_steps(config.profile_steps, config.steps)
   if window is None:
     return
   first, last = window
-  with StepProfiler(window, config.workdir) as profiler:
+  with StepProfiler(window, config.workdir or "runs/bench") as profiler:
     for step in range(first, last + 1):
       profiler.before(step)
       with profiler.annotate(step):

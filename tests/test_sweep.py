@@ -58,10 +58,10 @@ def test_an_unfinished_run_runs_again_and_a_failure_is_recorded(tmp_path):
     ({}, ["optimizer.lr=1e-3,fast"], r"run optimizer.lr=fast,seed=0: optimizer.lr='fast' is not a number"),
     ({"mesh.data": "2"}, ["optimizer.b1=0.9,1.2"], r"run optimizer.b1=1.2,seed=0: optimizer.b1=1.2 must be in"),
 ])
-def test_a_bad_run_is_refused_before_any_run_starts(fixed, grid, says):
+def test_a_bad_run_is_refused_before_any_run_starts(fixed, grid, says, tmp_path):
   recipe = Recipe("t", "", fixed=fixed, grid=sweep.parse_grid(grid))
   with pytest.raises(ValueError, match=says):
-    sweep.check_runs(recipe)
+    sweep.check_runs(recipe, tmp_path)
 
 
 @pytest.mark.parametrize("args, says", [

@@ -286,12 +286,13 @@ def recipes_from_flags() -> list[Recipe]:
   return [dataclasses.replace(r, fixed={**r.fixed, **parse_set(_SET.value)}, **changes) for r in chosen]
 
 
-def check_runs(recipe: Recipe) -> None:
+def check_runs(recipe: Recipe, out: Path) -> None:
   """Each run's settings checked as train.py checks them, before any run starts: a misspelt field or
   a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
   for the run itself, which sees its own devices."""
   for fields in recipe.runs():
     config = load.load(recipe.config)
+    config.workdir = str(out / run_name(fields))  # as `sweep` gives each run its own
     try:
       for field, value in {**recipe.fixed, **fields}.items():
         load.override(config, field, str(value))
@@ -347,7 +348,7 @@ def main(argv):
     if _WRITE.value:
       check_write(recipes)
     for recipe in recipes:
-      check_runs(recipe)
+      check_runs(recipe, sweep_dir(recipe))
     for recipe in recipes:
       run_recipe(recipe)
   except (ValueError, RuntimeError) as error:
