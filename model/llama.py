@@ -8,7 +8,7 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, ones, param, vocab_param
+from model.layers import INIT_STD, matmul, ones, param, rms_norm, vocab_param
 from model.mlp import SwiGLU
 from model.moe import MoE
 from model.placement import constrain
@@ -23,9 +23,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BTD):
-    x = x_BTD.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(x_BTD.dtype)
+    return rms_norm(x_BTD, self.scale[...], self.eps)
 
 
 def rotary_frequencies(half: int, cfg: ModelConfig, length=None) -> jax.Array:

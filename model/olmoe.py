@@ -7,13 +7,11 @@ projection likewise over its key/value heads, where Qwen3 normalises each head o
 the softmax without renormalising); everything else is model/llama.py's.
 """
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from model import llama
 from model.config import ModelConfig
-from model.layers import ones
+from model.layers import ones, rms_norm
 
 
 class WidthNorm(nnx.Module):
@@ -24,9 +22,7 @@ class WidthNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BTNH):
-    x = x_BTNH.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=(-2, -1), keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(x_BTNH.dtype)
+    return rms_norm(x_BTNH, self.scale[...], self.eps)  # the scale's two axes are the ones normalised
 
 
 class Attention(llama.Attention):
