@@ -7,6 +7,8 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -137,27 +139,89 @@ def _rows_in_backward(dtype, saved, d_rows_BTD):
 _rows_in.defvjp(_rows_in_forward, _rows_in_backward)
 
 
+# Set while the loss calls a family's `logits`: masked_vocab, the last step of every family's head, then
+# returns the matmul's output unchanged, in the compute dtype, and token_losses masks and scales it as it
+# reads it. A family defines `logits` alone; this reaches the matmul's output without a second method in each.
+_HEAD_OUTPUT = contextvars.ContextVar("head_output", default=False)
+
+
+@contextlib.contextmanager
+def _head_output():
+  token = _HEAD_OUTPUT.set(True)
+  try:
+    yield
+  finally:
+    _HEAD_OUTPUT.reset(token)
+
+
 def masked_vocab(logits_BTV, cfg: ModelConfig):
-  """Float32 logits in which the vocabulary's padding can never be predicted."""
-  logits_BTV = constrain(logits_BTV.astype(jnp.float32) * cfg.output_multiplier, ("batch", "length", "vocab"))
+  """Float32 logits in which the vocabulary's padding can never be predicted.
+
+  The loss takes the head's output as the matmul left it instead (`_head_output`).
+  """
+  logits_BTV = constrain(logits_BTV, ("batch", "length", "vocab"))
+  if _HEAD_OUTPUT.get():
+    return logits_BTV
   real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
-  return jnp.where(real_V, logits_BTV, jnp.finfo(jnp.float32).min)
+  return jnp.where(real_V, logits_BTV.astype(jnp.float32) * cfg.output_multiplier, jnp.finfo(jnp.float32).min)
 
 
-def token_losses(logits_BTV, targets_BT):
-  """Each position's next-token cross-entropy in float32: log-sum-exp minus the target's logit."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def token_losses(logits_BTV, targets_BT, vocab_size=None, multiplier=1.0):
+  """Each position's next-token cross-entropy in float32: log-sum-exp minus the target's logit.
+
+  The logits may be the head's output in the compute dtype, the vocabulary's padding (entries from
+  `vocab_size` on) unmasked and not yet multiplied by `multiplier`: both are applied where the values are
+  read, and float32 exists only inside the reductions, so no float32 copy of the logits is written. The
+  backward pass returns the logits' gradient in their own dtype, computed from them and the saved
+  log-sum-exp in one pass.
+  """
+  return _token_losses_forward(logits_BTV, targets_BT, vocab_size, multiplier)[0]
+
+
+def _in_vocab(logits_BTV, vocab_size):
+  """Which entries of the last axis are tokens (those before `vocab_size`), not the vocabulary's padding."""
+  entries = logits_BTV.shape[-1]
+  return jnp.arange(entries) < (entries if vocab_size is None else vocab_size)
+
+
+def _is_target(logits_BTV, targets_BT):
   # Compare-and-select rather than a gather: with `vocab` sharded it is a local
   # select and one reduction, which every partitioner handles.
-  is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
-  target_logit_BT = jnp.where(is_target_BTV, logits_BTV, 0.0).sum(-1)
-  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+  return jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
+
+
+def _token_losses_forward(logits_BTV, targets_BT, vocab_size, multiplier):
+  # The padding is masked in the logits' own dtype: a select in float32 would be a float32 array, which
+  # not every backend's reductions absorb (XLA's CPU backend does not). The maximum and the target's
+  # logit are picked, not summed, so they are exact in that dtype; the multiplier is positive, so it
+  # commutes with the maximum.
+  real_BTV = jnp.where(_in_vocab(logits_BTV, vocab_size), logits_BTV, -jnp.inf)
+  max_BT = real_BTV.max(-1).astype(jnp.float32) * multiplier
+  sum_BT = jnp.exp(real_BTV.astype(jnp.float32) * multiplier - max_BT[..., None]).sum(-1)
+  target_BT = jnp.where(_is_target(logits_BTV, targets_BT), logits_BTV, 0).sum(-1, dtype=jnp.float32) * multiplier
+  lse_BT = max_BT + jnp.log(sum_BT)
+  return lse_BT - target_BT, (logits_BTV, targets_BT, lse_BT)
+
+
+def _token_losses_backward(vocab_size, multiplier, saved, g_BT):
+  logits_BTV, targets_BT, lse_BT = saved
+  # Masked after the exponential here: one cast shared with the forward pass would be a float32 array
+  # with two readers, written out for both.
+  softmax_BTV = jnp.exp(logits_BTV.astype(jnp.float32) * multiplier - lse_BT[..., None])
+  softmax_BTV = jnp.where(_in_vocab(logits_BTV, vocab_size), softmax_BTV, 0.0)
+  d_BTV = (softmax_BTV - _is_target(logits_BTV, targets_BT)) * (g_BT * multiplier)[..., None]
+  return d_BTV.astype(logits_BTV.dtype), None
+
+
+token_losses.defvjp(_token_losses_forward, _token_losses_backward)
 
 
 def chunk_positions(tokens: int, rows_per_device: int, sequence_shards: int) -> int:
   """Positions per chunk that give each device about `tokens` tokens per chunk (model.loss_chunk, mlp_chunk).
 
-  Sized per device because memory is per device: a chunk's float32 logits are
-  its tokens on each device times the local vocabulary.
+  Sized per device because memory is per device: a chunk's logits are its
+  tokens on each device times the local vocabulary.
   """
   return max(1, tokens * sequence_shards // max(1, rows_per_device))
 
@@ -205,10 +269,11 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   answer's tokens only): the mean of weight x loss, so weights that average 1 over the batch
   (training/step.py `normalized_weights`) give the mean over the weighted tokens.
 
-  Float32 logits exist for one chunk at a time (B x T/C x V, not B x T x V),
-  chunks by strided_chunks. Each chunk's gradient is taken in the forward pass
-  (a custom VJP) and the backward pass only scales it, so the logits are
-  neither kept nor recomputed.
+  The logits exist for one chunk at a time (B x T/C x V, not B x T x V), chunks
+  by strided_chunks, and in the compute dtype: token_losses reads them in float32
+  only inside its reductions and writes their gradient in the compute dtype. Each
+  chunk's gradient is taken in the forward pass (a custom VJP) and the backward
+  pass only scales it, so the logits are neither kept nor recomputed.
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
@@ -216,7 +281,9 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
-    losses_Bt = token_losses(nnx.merge(graphdef, stack, head).logits(x_BtD), targets_Bt)
+    with _head_output():
+      logits_BtV = nnx.merge(graphdef, stack, head).logits(x_BtD)
+    losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, model.cfg.output_multiplier)
     return (losses_Bt * weights_Bt[0] if weights_Bt else losses_Bt).sum()
 
   # The stack, targets and weights are arguments, not closed over: a custom VJP may not close over traced

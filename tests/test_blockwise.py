@@ -14,6 +14,7 @@ from model.transformer import chunk_count, chunked_cross_entropy
 from parallel.context import zigzag_order
 from parallel.checks import attention_kernel
 from training.state import build_model, model_config, plan
+from training.step import compile_train_step
 
 
 @pytest.mark.parametrize("overrides, backend, expected", [
@@ -113,23 +114,103 @@ def test_blockwise_attention_memory_grows_linearly():
   assert short < one_block / 2, (short, one_block)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_chunked_loss_equals_full_logits(family):
-  config = tiny_config(**({"model.family": "llama"} if family == "llama" else {}), **{"model.loss_chunk": 8})
+def head_and_input(family, **overrides):
+  """A tiny model whose logits spread like a trained one's (the final norm's scale 30: logits of standard
+  deviation about 5, not 0.16), a batch of inputs to its head, next tokens, and weights averaging 1."""
+  config = tiny_config(**{**({"model.family": "llama"} if family == "llama" else {}), "model.loss_chunk": 8,
+                          **overrides})
   cfg = model_config(config)
   with nnx.use_eager_sharding(False):
     model = build_model(cfg, seed=0)
-  x = jax.random.normal(jax.random.key(1), (4, cfg.max_len, cfg.embed_dim))
+  norm = model.ln_final if family == "gpt2" else model.norm_final
+  norm.scale[...] = norm.scale[...] * 30
+  x = jax.random.normal(jax.random.key(1), (4, cfg.max_len, cfg.embed_dim)).astype(cfg.dtype)
   targets = jax.random.randint(jax.random.key(2), (4, cfg.max_len), 0, cfg.vocab_size)
+  weights = jax.random.uniform(jax.random.key(3), (4, cfg.max_len)) * 2
+  return model, x, targets, weights
 
-  def plain(model, x):  # the reference: float32 logits for every position, log-softmax, one-hot
-    logprobs = jax.nn.log_softmax(model.logits(x), axis=-1)
-    return -(logprobs * jax.nn.one_hot(targets, logprobs.shape[-1])).sum(-1).mean()
 
-  expected, expected_grads = nnx.value_and_grad(plain, argnums=(0, 1))(model, x)
-  actual, actual_grads = nnx.value_and_grad(lambda m, x: chunked_cross_entropy(m, x, targets), argnums=(0, 1))(model, x)
+def full_logits_loss(model, x, targets, weights):
+  """The reference: float32 logits for every position, log-softmax, one-hot, weighted mean."""
+  logprobs = jax.nn.log_softmax(model.logits(x), axis=-1)
+  return -(logprobs * jax.nn.one_hot(targets, logprobs.shape[-1]) * weights[..., None]).sum(-1).mean()
+
+
+def chunked_loss(model, x, targets, weights):
+  return chunked_cross_entropy(model, x, targets, weights)
+
+
+def loss_and_head_gradients(loss, model, x, targets, weights):
+  """The loss, and its gradients of the model's parameters and of the head's input."""
+  value, (d_model, d_x) = jax.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x, targets, weights)
+  return value, jax.tree.leaves(d_model) + [d_x]
+
+
+# The unpadded vocabulary unweighted; GPT-2's 50257 tokens, padded to 50304 (the mask), weighted; and muP's
+# output multiplier (1/2 here). Float32 logits in both: the gradients differ by rounding (1.2e-6 at most,
+# as much as before the chunks read the matmul's output themselves).
+@pytest.mark.parametrize("family, overrides, weighted", [
+    ("gpt2", {}, False), ("llama", {}, False),
+    ("gpt2", {"model.vocab_size": 50257}, True), ("llama", {"model.vocab_size": 50257}, True),
+    ("gpt2", {"model.vocab_size": 50257, "mup.base_width": 32}, True)])
+def test_chunked_loss_equals_full_logits(family, overrides, weighted):
+  model, x, targets, weights = head_and_input(family, **overrides)
+  weights = weights if weighted else jnp.ones_like(weights)
+  expected, expected_grads = loss_and_head_gradients(full_logits_loss, model, x, targets, weights)
+  actual, actual_grads = loss_and_head_gradients(chunked_loss, model, x, targets, weights)
   np.testing.assert_allclose(actual, expected, rtol=1e-6)
-  assert_tree_close(jax.tree.leaves(actual_grads), jax.tree.leaves(expected_grads), "loss gradient")
+  assert_tree_close(actual_grads, expected_grads, "loss gradient", tolerance=2e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_bfloat16_chunked_loss_follows_float32(family):
+  """The chunks read the head's bfloat16 output and write its gradient in bfloat16, float32 only inside
+  the reductions; the reference rounds the same logits and the same gradient to bfloat16, in float32
+  arrays between them."""
+  model, x, targets, weights = head_and_input(family, **{"model.vocab_size": 50257,
+                                                         "precision.compute": "bfloat16"})
+  model32, _, _, _ = head_and_input(family, **{"model.vocab_size": 50257})
+  actual, actual_grads = loss_and_head_gradients(chunked_loss, model, x, targets, weights)
+  reference, reference_grads = loss_and_head_gradients(full_logits_loss, model, x, targets, weights)
+  exact, exact_grads = loss_and_head_gradients(full_logits_loss, model32, x.astype(jnp.float32), targets, weights)
+  # The same float32 sums of the same bfloat16 logits: equal losses. The head's gradient leaves each
+  # chunk's matmul rounded to bfloat16 (model/layers.py matmul), by up to 2^-8 relative, four times over
+  # four chunks where the reference rounds once: 2.8e-3 of its largest entry here, held to 2^-7; the other
+  # gradients agree to 2e-7.
+  np.testing.assert_allclose(actual, reference, rtol=1e-6)
+  assert_tree_close(actual_grads, reference_grads, "loss gradient against the float32 arrays", tolerance=2.0**-7)
+  # Against float32 logits: each logit is rounded by up to 2^-8, which averages over the 128 positions'
+  # losses to 2^-8 / sqrt(128) = 3.5e-4 (8.2e-5 here); a gradient takes the rounding of every probability
+  # (a logit of 5 is off by up to 5 x 2^-8 = 0.02, its probability by 2%): 1.3e-2 here, for the reference
+  # too, held to 2^-6 (4 ulps), as tests/helpers.py holds a bfloat16 step's weight gradients.
+  np.testing.assert_allclose(actual, exact, rtol=2.0**-8 / np.sqrt(128))
+  assert_tree_close(actual_grads, exact_grads, "loss gradient against float32", tolerance=2.0**-6)
+
+
+def float32_logits(compiled_text, vocab, elements):
+  """The float32 arrays of at least `elements` entries whose last axis is `vocab` that a compiled program
+  writes: the results of its top-level instructions (a fusion's output, not the values inside it)."""
+  fused = set(re.findall(r"\bfusion\(.*?calls=%?([\w.\-]+)", compiled_text))
+  found, computation = [], None
+  for line in compiled_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      computation = line.removeprefix("ENTRY").split()[0].lstrip("%")
+    elif computation not in fused and (result := re.match(r"\s*(?:ROOT\s+)?%?\S+\s*=\s*(.+?)\s[\w\-]+\(", line)):
+      found += [f"f32[{dims}]" for dims in re.findall(r"f32\[([\d,]*)\]", result.group(1))
+                if dims.split(",")[-1] == str(vocab) and np.prod([int(d) for d in dims.split(",")]) >= elements]
+  return found
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_bfloat16_step_writes_no_float32_logits(tensor):
+  """GPT-2's vocabulary in the tiny model's bfloat16 train step, on one device and split over `tensor`:
+  no array the size of a chunk's logits is written in float32 (before: the masked logits, the target's
+  select and the exponentials, a chunk's tokens x the local vocabulary x 4 bytes each)."""
+  config = tiny_config(**{"precision.compute": "bfloat16", "model.vocab_size": 50257, "batch_size": 4,
+                          "model.loss_chunk": 64, "mesh.data": 1, "mesh.tensor": tensor})
+  compiled = compile_train_step(plan(config, jax.devices()[:tensor]), config)
+  local_vocab = model_config(config).padded_vocab // tensor
+  assert float32_logits(compiled.as_text(), local_vocab, elements=64 * local_vocab) == []
 
 
 def test_chunk_count_divides_the_length():
