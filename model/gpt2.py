@@ -9,7 +9,7 @@ from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, stacked
 
 
 class Block(nnx.Module):
@@ -50,6 +50,6 @@ class GPT2(LanguageModel):
     x_BTD = embedding_rows(self.embed.tokens[...], tokens_BT, self.cfg) + self.embed.positions[...][positions_T]
     return constrain(x_BTD.astype(self.cfg.dtype), ACTIVATION_AXES)
 
-  def logits(self, x_BTD):
+  def head_output(self, x_BTD):
     x_BTD = self.ln_final(x_BTD)
-    return masked_vocab(matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg.dtype), self.cfg)
+    return constrain(matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg.dtype), ("batch", "length", "vocab"))

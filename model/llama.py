@@ -12,7 +12,7 @@ from model.layers import INIT_STD, matmul, ones, param, rms_norm, vocab_param
 from model.mlp import SwiGLU
 from model.moe import MoE
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, masked_vocab, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, stacked
 
 
 class RMSNorm(nnx.Module):
@@ -158,6 +158,6 @@ class Llama(LanguageModel):
     del positions_T  # rotary embeddings apply them inside attention
     return constrain(embedding_rows(self.embed[...], tokens_BT, self.cfg).astype(self.cfg.dtype), ACTIVATION_AXES)
 
-  def logits(self, x_BTD):
+  def head_output(self, x_BTD):
     x_BTD = self.norm_final(x_BTD)
-    return masked_vocab(matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg.dtype), self.cfg)
+    return constrain(matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg.dtype), ("batch", "length", "vocab"))

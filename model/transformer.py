@@ -7,8 +7,6 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -139,29 +137,11 @@ def _rows_in_backward(dtype, saved, d_rows_BTD):
 _rows_in.defvjp(_rows_in_forward, _rows_in_backward)
 
 
-# Set while the loss calls a family's `logits`: masked_vocab, the last step of every family's head, then
-# returns the matmul's output unchanged, in the compute dtype, and token_losses masks and scales it as it
-# reads it. A family defines `logits` alone; this reaches the matmul's output without a second method in each.
-_HEAD_OUTPUT = contextvars.ContextVar("head_output", default=False)
-
-
-@contextlib.contextmanager
-def _head_output():
-  token = _HEAD_OUTPUT.set(True)
-  try:
-    yield
-  finally:
-    _HEAD_OUTPUT.reset(token)
-
-
 def masked_vocab(logits_BTV, cfg: ModelConfig):
   """Float32 logits in which the vocabulary's padding can never be predicted.
 
-  The loss takes the head's output as the matmul left it instead (`_head_output`).
+  The loss reads the head's output as the matmul left it instead (`LanguageModel.head_output`).
   """
-  logits_BTV = constrain(logits_BTV, ("batch", "length", "vocab"))
-  if _HEAD_OUTPUT.get():
-    return logits_BTV
   real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
   return jnp.where(real_V, logits_BTV.astype(jnp.float32) * cfg.output_multiplier, jnp.finfo(jnp.float32).min)
 
@@ -281,8 +261,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
-    with _head_output():
-      logits_BtV = nnx.merge(graphdef, stack, head).logits(x_BtD)
+    logits_BtV = nnx.merge(graphdef, stack, head).head_output(x_BtD)
     losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, model.cfg.output_multiplier)
     return (losses_Bt * weights_Bt[0] if weights_Bt else losses_Bt).sum()
 
@@ -369,9 +348,14 @@ def packed_documents(tokens_BT, positions_T, document_end: int):
 class LanguageModel(nnx.Module):
   """The stack and the loss every family shares.
 
-  A family adds `embed_tokens(tokens_BT, positions_T) -> x_BTD` and
-  `logits(x_BTD) -> logits_BTV`, and keeps its stacked blocks in `self.blocks`.
+  A family adds `embed_tokens(tokens_BT, positions_T) -> x_BTD` and `head_output(x_BTD) -> logits_BTV`
+  (the final norm and the head's matmul, in the compute dtype, the vocabulary's padding not yet masked),
+  and keeps its stacked blocks in `self.blocks`.
   """
+
+  def logits(self, x_BTD):
+    """Float32 logits, the vocabulary's padding masked."""
+    return masked_vocab(self.head_output(x_BTD), self.cfg)
 
   def run_blocks(self, x_BTD, positions_T=None, segments_BT=None):
     """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense)."""
