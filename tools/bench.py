@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 from tools import bench_report, peers  # pylint: disable=wrong-import-position
-from tools.bench_runs import (CPU_LAYOUTS, XLA_PRESETS, batch_sizes, build_config, child_env,  # pylint: disable=wrong-import-position
-                              measure_here, run_child, searched, split_overrides)
+from tools.bench_runs import (  # pylint: disable=wrong-import-position
+    CPU_LAYOUTS, XLA_PRESETS, batch_sizes, build_config, check_presets, child_env, measure_here, run_child,
+    searched, split_overrides)
 
 _CONFIGS = flags.DEFINE_multi_string("config", ["configs/gpt2.py:124m"],
                                      "FILE:VARIANT[,field=value...]; repeat to compare configs.")
@@ -126,9 +127,7 @@ def main(argv):
     return
   if not all(b.isdigit() and int(b) > 0 for b in _BATCH.value):
     raise ValueError(f"--batch={','.join(_BATCH.value)} must be positive integers, e.g. --batch=16,32.")
-  unknown = [p for p in _PRESETS.value if p not in XLA_PRESETS]
-  if unknown:
-    raise ValueError(f"unknown XLA preset(s) {unknown}; choose from {', '.join(XLA_PRESETS)}.")
+  check_presets(_PRESETS.value)
   if _PEERS.value and not os.path.isdir(_PEERS.value):
     raise ValueError(f"--peers={_PEERS.value} is not a folder; copy ../shared/peers there first.")
   bench = Bench(_OUT.value)

@@ -3,24 +3,33 @@
 No absl flags here, so tests and other tools can import it.
 """
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from configs import load
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Measured one at a time (BENCHMARKS.md keeps what each gained); every flag here
-# exists in jaxlib 0.11.2, which refuses unknown ones at start-up (tested).
+# Measured one at a time (BENCHMARKS.md keeps what each gained). tools/bench.py refuses, before anything
+# runs, a preset whose flag the installed jaxlib does not know (check_presets).
 XLA_PRESETS = {
     "default": [],
+    # Overlaps collectives with compute: nothing to overlap on one GPU (docs/benchmarks.md's example).
     "lhs": ["--xla_gpu_enable_latency_hiding_scheduler=true"],
     "cublas": ["--xla_gpu_enable_triton_gemm=false"],  # cuBLAS(Lt) for every GEMM instead of Triton
-    "combined": ["--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_enable_triton_gemm=false",
-                 "--xla_gpu_enable_while_loop_double_buffering=true"],  # overlaps the layer scan's iterations
+    # The flags that act on one GPU's step (../shared/research/gpu-step.md, section 2):
+    "cudnn_ln": ["--xla_gpu_enable_cudnn_layer_norm=true"],  # LayerNorm's forward and backward as cuDNN kernels
+    "lt": ["--xla_gpu_enable_cublaslt=true"],  # cuBLASLt GEMMs, whose epilogues can take the bias and GELU
+    # The scan's stacked residual buffers: not zero-filled first, and written in place by the GEMMs.
+    "dus0": ["--xla_gpu_enable_dus_accumulator_zero_init_elimination=true"],
+    "dsf": ["--xla_gpu_enable_dynamic_slice_fusion=true"],
+    "noremat": ["--xla_disable_hlo_passes=rematerialization"],  # no recompute XLA adds near the memory limit
 }
 
 GPT, LLAMA = "configs/gpt2.py:tiny", "configs/llama.py:tiny"
@@ -90,6 +99,18 @@ def build_config(spec: str, overrides: list[tuple[str, str]], *, batch: int | No
   return config
 
 
+def switched(spec: str, fields: list[str]) -> list[str]:
+  """`spec` once per dotted field, each a true/false field flipped from its value there: one switch at a time."""
+  config = build_config(spec, [], batch=None, seq_len=1024)
+  specs = []
+  for field in fields:
+    value = functools.reduce(getattr, field.split("."), config)
+    if not isinstance(value, bool):
+      raise ValueError(f"{field} is {value!r} in {spec}, not a switch; name a true/false field.")
+    specs.append(f"{spec},{field}={str(not value).lower()}")
+  return specs
+
+
 def batch_sizes(first: int, best: bool, max_batch: int) -> list[int]:
   """`first`, then with `best` its doublings up to `max_batch`: the batches a search may try."""
   sizes = [first]
@@ -118,6 +139,36 @@ def child_env(preset: str, devices: int | None = None) -> dict:
   env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *extra]).strip()
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
   return env
+
+
+def unknown_xla_flags(xla_flags: list[str]) -> list[str]:
+  """Those of `xla_flags` the installed jaxlib does not know. XLA parses XLA_FLAGS when a backend starts
+  and aborts naming every flag it does not know, GPU flags included on a CPU: one CPU-only child asks."""
+  if not xla_flags:
+    return []
+  env = {**os.environ, "XLA_FLAGS": " ".join(xla_flags), "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                          text=True, timeout=300)
+  if result.returncode == 0:
+    return []
+  named = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", result.stderr)
+  if not named:
+    why = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+    raise ValueError(f"jax did not start with XLA_FLAGS={' '.join(xla_flags)}: {why[:300]}")
+  return named.group(1).split()
+
+
+def check_presets(names: list[str]) -> None:
+  """Refuses, in one line, a preset that is not in XLA_PRESETS or that needs a flag this jaxlib lacks."""
+  unknown = [name for name in names if name not in XLA_PRESETS]
+  if unknown:
+    raise ValueError(f"unknown XLA preset(s) {unknown}; choose from {', '.join(XLA_PRESETS)}.")
+  missing = set(unknown_xla_flags(sorted({flag for name in names for flag in XLA_PRESETS[name]})))
+  for name in names:
+    lacking = [flag for flag in XLA_PRESETS[name] if flag in missing]
+    if lacking:
+      raise ValueError(f"XLA preset {name!r} needs {' '.join(lacking)}, which the installed jaxlib "
+                       f"{metadata.version('jaxlib')} does not know; leave {name} out of --xla_presets.")
 
 
 def run_child(run: dict, env: dict, timeout_s: float) -> dict:

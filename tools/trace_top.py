@@ -11,10 +11,19 @@ transformer's loss function the head and loss chunks), the first caller outside
 the generic helpers (model/layers.py's matmul) owning each kernel, without
 TensorBoard, on the machine that ran the trace. Without --hlo the table is by
 HLO instruction.
+
+  python tools/trace_top.py --trace=runs/torch_trace.json.gz --steps=3   # tools/torch_profile.py's trace
+
+A torch.profiler chrome trace (*.json, *.json.gz) is read the same way, by
+kernel name, grouped by library (cuBLAS, flash attention, inductor's Triton
+kernels, torch's own), so both sides of a comparison have one kind of table.
 """
 
 import collections
 import glob
+import gzip
+import json
+import math
 import os
 import re
 import sys
@@ -25,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-_TRACE = flags.DEFINE_string("trace", None, "A profile folder: its newest *.xplane.pb is read.", required=True)
+_TRACE = flags.DEFINE_string("trace", None, "A profile folder (its newest *.xplane.pb is read), or a torch.profiler "
+                             "chrome trace (*.json, *.json.gz).", required=True)
 _HLO = flags.DEFINE_string("hlo", "", "An --xla_dump_to folder holding the step's *after_optimizations.txt.")
 _STEPS = flags.DEFINE_integer("steps", 1, "Steps the trace holds: times are per step.", lower_bound=1)
 _TOP = flags.DEFINE_integer("top", 20, "Rows of the by-line table.", lower_bound=1)
@@ -39,7 +49,9 @@ _GENERIC = ("model/layers.py", "model/placement.py", "model/fp8.py")
 # Control flow's events span their bodies' kernels on a CPU's timeline: counting both would count twice.
 _CONTROL = ("while", "conditional", "call")
 _LIBRARIES = {"nvjet": "cuBLAS GEMM", "cutlass": "cuBLAS GEMM", "xmma": "cuBLAS GEMM", "cudnn": "cuDNN",
-              "memcpy": "copy (memcpy)", "memset": "memset"}
+              "memcpy": "copy (memcpy)", "memset": "memset", "flash": "flash attention"}
+_CHROME = (".json", ".json.gz")
+_GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # a chrome trace's categories of device work
 
 
 def _library(kernel: str) -> str:
@@ -83,6 +95,34 @@ def kernel_times(trace_file: str, module: str) -> tuple[dict[str, float], dict[s
           kernels.setdefault(op, event.name)
   where = "device streams" if devices else "host threads"
   return dict(times), kernels, where
+
+
+def chrome_kernel_times(trace_file: str) -> tuple[dict[str, float], str]:
+  """(nanoseconds per kernel name, which events were read) from a torch.profiler chrome trace.
+
+  A GPU run's trace holds its kernels, copies and memsets. A CPU run's holds
+  none: its operators are read instead, only those no other operator on the
+  same thread encloses, so that nothing is counted twice.
+  """
+  with (gzip.open if trace_file.endswith(".gz") else open)(trace_file, "rt") as f:
+    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+  chosen = [e for e in events if e.get("cat") in _GPU_EVENTS]
+  where = "GPU kernels"
+  if not chosen:
+    ends, where = {}, "outermost CPU operators"
+    for event in sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"]):
+      thread = (event["pid"], event["tid"])
+      if event["ts"] >= ends.get(thread, -math.inf):
+        chosen.append(event)
+        ends[thread] = event["ts"] + event["dur"]
+  times = collections.Counter()
+  for event in chosen:
+    times[event["name"]] += event["dur"] * 1e3  # microseconds in the trace
+  return dict(times), where
+
+
+def _torch_group(kernel: str) -> str:
+  return _library(kernel) or ("Triton (inductor)" if kernel.startswith("triton_") else "torch's own (ATen)")
 
 
 def hlo_sources(dump: str, module: str) -> dict[str, tuple[str, str]]:
@@ -148,11 +188,21 @@ def table(rows: list[tuple], total: float, steps: int, header: str) -> str:
 
 def main(argv):
   del argv
+  if _TRACE.value.endswith(_CHROME):
+    if not os.path.isfile(_TRACE.value):
+      raise ValueError(f"{_TRACE.value} does not exist; pass the trace tools/torch_profile.py wrote.")
+    times, where = chrome_kernel_times(_TRACE.value)
+    by_group = collections.Counter()
+    for kernel, ns in times.items():
+      by_group[_torch_group(kernel)] += ns
+    _print_tables(_TRACE.value, times, where, "kernel names", by_group,
+                  [(k[:80], ns) for k, ns in collections.Counter(times).most_common(_TOP.value)], "kernel",
+                  "library or kind")
+    return
   trace = newest(os.path.join(_TRACE.value, "**/*.xplane.pb"))
   times, kernels, where = kernel_times(trace, _MODULE.value)
   if not times:
     raise ValueError(f"{trace} holds no kernel of a module named like {_MODULE.value!r}.")
-  total = sum(times.values())
   sources = hlo_sources(_HLO.value, _MODULE.value) if _HLO.value else {}
   by_source, by_file, example = collections.Counter(), collections.Counter(), {}
   for op, ns in times.items():
@@ -161,12 +211,20 @@ def main(argv):
     by_file[path] += ns
     if key not in example or times[op] > times[example[key]]:
       example[key] = op
-  print(f"{trace}: {total / _STEPS.value / 1e6:.2f} ms of kernels per step over {len(times)} HLO instructions "
+  _print_tables(trace, times, where, "HLO instructions", by_file,
+                [(k, ns, kernels[example[k]]) for k, ns in by_source.most_common(_TOP.value)],
+                "source (file:function:line)" if sources else "HLO instruction", "source file or library")
+
+
+def _print_tables(trace: str, times: dict, where: str, what: str, by_group: collections.Counter, top: list,
+                  top_header: str, group_header: str) -> None:
+  """The per-step total (its first line is what tools/speed_table.py reads), then the two tables."""
+  total = sum(times.values())
+  print(f"{trace}: {total / _STEPS.value / 1e6:.2f} ms of kernels per step over {len(times)} {what} "
         f"({where}, {_STEPS.value} steps)\n")
-  print(table(by_file.most_common(), total, _STEPS.value, "source file or library"))
+  print(table(by_group.most_common(), total, _STEPS.value, group_header))
   print()
-  print(table([(k, ns, kernels[example[k]]) for k, ns in by_source.most_common(_TOP.value)], total,
-              _STEPS.value, "source (file:function:line)" if sources else "HLO instruction"))
+  print(table(top, total, _STEPS.value, top_header))
 
 
 if __name__ == "__main__":
