@@ -25,6 +25,11 @@ def base() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0  # per device, for MFU; 0 looks the device kind up
   c.resume = "auto"  # auto: from the workdir's latest checkpoint | never | a step number
   c.nonfinite = "skip"  # a non-finite loss or gradient: skip the update and count it | stop
+  # What decides that a step is finite. scalars: its loss, gradient norm and learning rate, which bound an
+  # Adam or SGD update short of float32's range (a learning rate near 3.4e38 can still overflow the
+  # weights), at no cost | full: also every new weight and moment, a further pass over the state (muon
+  # and schedule_free_adamw always take it)
+  c.nonfinite_check = "scalars"
   # hf:<directory>: start from a Hugging Face GPT-2 or Llama checkpoint (config.json + safetensors),
   # whose config.json sets the model fields; empty: random initialisation.
   c.init_from = ""

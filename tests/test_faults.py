@@ -17,13 +17,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, logged_steps, read_metrics, tiny_config, wait_for
+from helpers import ROOT, batch_at, logged_steps, read_metrics, tiny_config, wait_for
 from input_pipeline import data
 from input_pipeline.token_files import write_token_folder
 from run.loop import train
 from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, init_state, plan
-from training.step import make_train_step
+from training.step import compile_train_step, make_train_step
 
 
 def config_for(workdir, **overrides):
@@ -414,3 +414,48 @@ def test_train_py_reports_a_full_disk_in_its_own_line_alone_and_stops_before_the
   lines = [line.strip() for line in re.split(r"[\r\n]", err) if line.strip() and not re.match(r"\s*\d+%\|", line)]
   assert len(lines) == 1, lines[:5]
   assert lines[0].startswith(f"error: saving a checkpoint into {small_disk}/run/checkpoints failed (")
+
+
+def test_the_scalar_guard_drops_the_pass_over_the_new_state():
+  # nonfinite_check=scalars decides from the loss, gradient norm and learning rate, so the keep-or-drop
+  # select fuses into the update; full reduces over every new weight and moment, then selects apart.
+  # Measured: 3.55 MB fewer accessed, 2.5 times the 1.42 MB of weights and moments.
+  config = tiny_config(**{"mesh.data": 1})
+  layout = plan(config, jax.devices()[:1])
+  held = (layout.abstract_state["params"], layout.abstract_state["opt_state"])
+  state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(held))
+  accessed = {}
+  for check in ("full", "scalars"):
+    config.nonfinite_check = check
+    accessed[check] = compile_train_step(layout, config).cost_analysis()["bytes accessed"]
+  assert accessed["full"] - accessed["scalars"] >= state_bytes
+
+
+@pytest.mark.parametrize("fault", ["nan loss", "inf gradient"])
+def test_the_scalar_guard_leaves_the_state_as_it_was_after_a_non_finite_loss_or_gradient(fault):
+  # NaN loss weights make the loss and every gradient NaN; float16 at a loss scale of 2**40 overflows
+  # the gradients while the loss stays finite (the scaler's routine: halved, not counted as skipped).
+  overrides = {"precision.compute": "float16", "precision.loss_scale": 2.0**40} if fault == "inf gradient" else {}
+  config = config_for("unused", **{"mesh.data": 1, "nonfinite_check": "scalars", **overrides})
+  layout = plan(config, jax.devices()[:1])
+  state = init_state(layout, config.seed)
+  before = jax.device_get(state)
+  batch = batch_at(config, layout, 0)
+  if fault == "nan loss":
+    batch = {**batch, "weights": jax.device_put(np.full(batch["inputs"].shape, np.nan, np.float32),
+                                                layout.batch_sharding)}
+  state, metrics = make_train_step(layout, config)(state, batch)
+  assert np.isfinite(float(metrics["loss"])) == (fault == "inf gradient")
+  assert not np.isfinite(float(metrics["grad_norm"]))
+  assert int(metrics["skipped"]) == (fault == "nan loss")
+  if fault == "inf gradient":
+    assert float(state["loss_scale"]["scale"]) == 2.0**39
+  for after, was in zip(jax.tree.leaves(jax.device_get((state["params"], state["opt_state"]))),
+                        jax.tree.leaves((before["params"], before["opt_state"]))):
+    np.testing.assert_array_equal(after, was)
+
+
+def test_an_unknown_nonfinite_check_is_refused_before_anything_is_written(tmp_path):
+  with pytest.raises(ValueError, match=r"^nonfinite_check='cheap' is unknown; use scalars or full\.$"):
+    train(config_for(tmp_path / "run", nonfinite_check="cheap"))
+  assert not (tmp_path / "run").exists()

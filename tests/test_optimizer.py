@@ -120,3 +120,26 @@ def test_clipping_bounds_the_global_norm():
 def test_unknown_optimizer_is_refused():
   with pytest.raises(ValueError, match="optimizer.name='lion' is unknown"):
     update("lion", 1.0, 1.0)
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "adam_l2", "sgd", "momentum"])
+def test_gradients_of_finite_norm_at_a_finite_rate_keep_the_state_finite(name, moments):
+  # What nonfinite_check=scalars rests on (training/step.py), at float32's edge: a gradient of 1.8e19, whose
+  # square (3.2e38) only just sums finitely, seen 200 times so that v climbs to it, clipped or not.
+  grads = {"kernel": jnp.array([1.8e19, -1e-30])}
+  assert np.isfinite(float(optax.tree.norm(grads)))
+  for clip in (0.0, 1.0):
+    config = tiny_config(**{"optimizer.name": name, "optimizer.lr": 0.1, "optimizer.weight_decay": 0.5,
+                            "optimizer.clip_norm": clip, "precision.moments": moments,
+                            "schedule.warmup_steps": 0, "schedule.decay": "constant"})
+    params = {"kernel": jnp.array([0.5, -0.5])}
+    tx = make_optimizer(config, params)
+
+    def step(carry, _):
+      updates, opt_state = tx.update(grads, carry[1], carry[0])
+      return (optax.apply_updates(carry[0], updates), opt_state), None
+
+    state = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), length=200)[0])(params, tx.init(params))
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in floats), (clip, state)

@@ -12,6 +12,10 @@ from training import loss_scale, schedule_free
 from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
+# Optimizers whose update runs nonlinear iterations (Newton-Schulz) or averages iterates, where finite
+# inputs are not shown to give a finite state: their guard reads the whole new state.
+WHOLE_STATE_OPTIMIZERS = ("muon", "schedule_free_adamw")
+
 
 def normalized_weights(batch):
   """`batch` with its per-token loss weights (where it has them) scaled to average 1 over the whole batch.
@@ -97,11 +101,23 @@ def all_finite(tree) -> jax.Array:
   return jnp.logical_and.reduce(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
+def kept(finite, new, old):
+  """`new` where the scalar `finite` holds, else `old`, leaf by leaf.
+
+  A bfloat16 leaf (a moment stored narrow) is selected in float32, so that the select fuses into its update
+  as into a float32 one and the CPU compiles both alike: a bfloat16 select made it contract v's update into
+  a fused multiply-add, and bfloat16 moments were no longer float32's rounded.
+  """
+  wide = lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+  return jax.tree.map(lambda n, o: jnp.where(finite, wide(n), wide(o)).astype(n.dtype), new, old)
+
+
 def make_train_step(layout: Layout, config, donate: bool = True):
   """The jitted step with explicit shardings for every leaf; the incoming state is donated unless a
   failed step must be redone from it (fault_tolerance=survive)."""
   schedule = learning_rate(config)
   grad_accum, growth_interval = config.grad_accum, config.precision.loss_scale_growth
+  whole_state = config.nonfinite_check == "full" or config.optimizer.name in WHOLE_STATE_OPTIMIZERS
 
   def train_step(state, batch):
     scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
@@ -114,24 +130,34 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = optax.tree.norm(grads)
+    lr = schedule(state["step"])
+    loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    # Nothing non-finite ever reaches the state: a step whose loss, gradient, new weights or new
-    # moments are not all finite (a NaN learning rate makes only the update NaN; a huge gradient
-    # can overflow v alone) is dropped and counted, and the loop applies config.nonfinite to the
-    # count. Under float16 this is also the loss scaler's overflow skip.
-    loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
-    finite = loss_finite & grads_finite & all_finite((params, opt_state))
-    keep_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    # Nothing non-finite reaches the state: a step that would put one there is dropped and counted, and
+    # the loop applies config.nonfinite to the count. Under float16 this is also the loss scaler's
+    # overflow skip. Adam(W) and SGD (with momentum) are judged by scalars already at hand, so the select
+    # fuses into the update and no pass reads the new state again: from a finite state, a finite gradient
+    # norm bounds every g and g^2 (clipped or not, accumulated or not) and so the moments, and a finite
+    # learning rate keeps the step finite unless it leaves float32's range (lr near 3.4e38, or weights
+    # past 1e19 under adam_l2's decay). Muon's iterations and schedule-free's averages have no such
+    # bound: they check the whole new state, as nonfinite_check=full does for any optimizer.
+    if whole_state:
+      finite = loss_finite & grads_finite & all_finite((params, opt_state))
+    else:
+      finite = loss_finite & grads_finite & jnp.isfinite(lr)
     # Under loss scaling, a gradient that overflows while the loss is finite is the scaler's
     # routine (it halves the scale), not a fault: `skipped`, which nonfinite= acts on, leaves it out.
     overflow = (scale is not None) & loss_finite & ~grads_finite
-    new_state = {"step": state["step"] + 1, "params": keep_finite(params, state["params"]),
-                 "opt_state": keep_finite(opt_state, state["opt_state"]),
+    # The weights are kept or dropped first: their update reads the old moments, which the moments' own
+    # update overwrites in place, so with the order left open XLA would copy every moment beforehand.
+    params, finite = jax.lax.optimization_barrier((kept(finite, params, state["params"]), finite))
+    new_state = {"step": state["step"] + 1, "params": params,
+                 "opt_state": kept(finite, opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
     # `loss` is the cross-entropy, comparable across dense and MoE runs; router figures ride along.
     cross_entropy = stats.pop("cross_entropy", loss)
-    metrics = {**stats, "loss": cross_entropy, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+    metrics = {**stats, "loss": cross_entropy, "grad_norm": grad_norm, "lr": lr,
                "skipped": new_state["skipped"]}
     if scale is not None:
       new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)

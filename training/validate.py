@@ -13,6 +13,7 @@ from pathlib import Path
 
 
 NONFINITE_POLICIES = ("skip", "stop")
+NONFINITE_CHECKS = ("scalars", "full")
 FAULT_TOLERANCE = ("none", "survive")
 
 
@@ -94,6 +95,8 @@ def check_run(config) -> None:
                      "process; add --config.fault_tolerance=survive, or leave peer_copy_every at 0.")
   if config.nonfinite not in NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={config.nonfinite!r} is unknown; use {' or '.join(NONFINITE_POLICIES)}.")
+  if config.nonfinite_check not in NONFINITE_CHECKS:
+    raise ValueError(f"nonfinite_check={config.nonfinite_check!r} is unknown; use {' or '.join(NONFINITE_CHECKS)}.")
   _check_workdir(config.workdir)
 
 
