@@ -23,6 +23,7 @@ BAD = [
     ({"model.max_len": 0}, r"model.max_len=0 must be an integer of at least 1"),
     ({"optimizer.lr": -1e-3}, r"optimizer.lr=-0.001 must be a finite number >= 0"),
     ({"optimizer.lr": float("nan")}, r"optimizer.lr=nan must be a finite number >= 0"),
+    ({"optimizer.lr": 3.4e38}, r"optimizer.lr=3.4e\+38 is beyond any learning rate that trains \(at most 1e\+30\)"),
     ({"optimizer.clip_norm": float("inf")}, r"optimizer.clip_norm=inf must be a finite number >= 0"),
     ({"checkpoint.keep": 0}, r"checkpoint.keep=0 must be an integer of at least 1"),
     ({"checkpoint.keep": -1}, r"checkpoint.keep=-1 must be an integer of at least 1"),

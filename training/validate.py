@@ -23,6 +23,9 @@ def _at_least(config, field: str, low: int, why: str = "") -> None:
     raise ValueError(f"{field}={value!r} must be an integer of at least {low}{why}.")
 
 
+MAX_LR = 1e30
+
+
 def _finite_non_negative(config, field: str, what: str, *, zero: bool = True) -> None:
   """A finite number >= 0, or > 0 where `zero` is not allowed."""
   value = _get(config, field)
@@ -64,6 +67,11 @@ def check_run(config) -> None:
                 "model.embed_dim", "model.mlp_dim"):
     _at_least(config, field, 1)
   _finite_non_negative(config, "optimizer.lr", "the peak learning rate")
+  # Near float32's largest value one update can overflow the weights while the loss, the gradient norm
+  # and the rate stay finite, which the default nonfinite_check=scalars would not see.
+  if config.optimizer.lr > MAX_LR:
+    raise ValueError(f"optimizer.lr={config.optimizer.lr!r} is beyond any learning rate that trains (at most "
+                     f"{MAX_LR:g}); give the peak learning rate, e.g. 3e-4.")
   _finite_non_negative(config, "optimizer.clip_norm", "0 turns clipping off")
   _finite_non_negative(config, "optimizer.weight_decay", "0 turns decay off")
   # Checked whichever optimizer runs. A decay rate of 1 or more never forgets (b2=1 divides by zero
