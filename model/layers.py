@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.config import ModelConfig
 from model.fp8 import einsum as fp8_einsum
 
 INIT_STD = 0.02  # GPT-2's normal init
@@ -13,17 +14,26 @@ INIT_STD = 0.02  # GPT-2's normal init
 ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu}
 
 
-def activation(name: str, x: jax.Array, recompute: bool) -> jax.Array:
-  """A feed-forward activation; with `recompute` (model.recompute_activation), recomputed from its input
-  in the backward pass.
+def activated_down(name: str, down, cfg: ModelConfig, h: jax.Array, up: jax.Array | None = None) -> jax.Array:
+  """down(act(h)), or down(act(h) * up) for a gated unit (SwiGLU): a feed-forward layer's second half.
 
-  Differentiated as written, tanh-GELU keeps three [B, T, mlp] intermediates
-  for the backward pass besides its input and output, and SiLU its sigmoid
-  (seen in the H200 step's HLO, BENCHMARKS.md). Recomputed, they exist only
-  during the layer's backward pass.
+  With model.recompute_activation, the backward pass keeps only h (and up) and makes act(h), act'(h) and
+  the down projection's input again from them. Differentiated as written, the layer keeps four more
+  [B, T, mlp] values: tanh-GELU's three intermediates and its output (seen in the H200 step's HLO,
+  BENCHMARKS.md), or three of SiLU's and the gated product. The recomputation is pointwise work on values
+  the backward pass reads anyway; the down matmul is not run again, its output being of no use there.
+
+  Under model.scan_layers the layer runs in a loop whose backward pass is another loop, where XLA cannot
+  merge the recomputation with the forward pass's: jax's guard against that (prevent_cse) would only cost
+  temporaries there. Unrolled, the guard is what keeps act(h) from living until the backward pass.
   """
-  fn = ACTIVATIONS[name]
-  return jax.checkpoint(fn)(x) if recompute else fn(x)
+  def second_half(h, *up):
+    activated = ACTIVATIONS[name](h)
+    return down(activated * up[0] if up else activated)
+  operands = (h,) if up is None else (h, up)
+  if not cfg.recompute_activation:
+    return second_half(*operands)
+  return jax.checkpoint(second_half, prevent_cse=not cfg.scan_layers)(*operands)
 
 
 def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:

@@ -4,7 +4,7 @@ import jax
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, activation, matmul, param, zeros
+from model.layers import INIT_STD, activated_down, matmul, param, zeros
 from model.placement import constrain
 
 
@@ -20,10 +20,10 @@ class Mlp(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    dtype = self.cfg.dtype
-    h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, self.cfg.fp8) + self.up_bias[...].astype(dtype)
-    h_BTF = constrain(activation("gelu", h_BTF, self.cfg.recompute_activation), ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, self.cfg.fp8) + self.down_bias[...].astype(dtype)
+    cfg, dtype = self.cfg, self.cfg.dtype
+    h_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8) + self.up_bias[...].astype(dtype)
+    y_BTD = activated_down("gelu", _down(self.down_kernel[...], cfg), cfg, h_BTF)
+    return y_BTD + self.down_bias[...].astype(dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -38,8 +38,12 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD):
     cfg, dtype = self.cfg, self.cfg.dtype
-    gate_BTF = activation("silu", matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8),
-                          cfg.recompute_activation)
-    h_BTF = constrain(gate_BTF * matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8),
-                      ("batch", "length", "mlp"))
-    return matmul("btf,fd->btd", h_BTF, self.down_kernel[...], dtype, cfg.fp8)
+    gate_BTF = matmul("btd,df->btf", x_BTD, self.gate_kernel[...], dtype, cfg.fp8)
+    up_BTF = matmul("btd,df->btf", x_BTD, self.up_kernel[...], dtype, cfg.fp8)
+    return activated_down("silu", _down(self.down_kernel[...], cfg), cfg, gate_BTF, up_BTF)
+
+
+def _down(kernel_FD: jax.Array, cfg: ModelConfig):
+  """The row-parallel down projection of an activated [B, T, mlp] value, its input placed as the mlp axis is."""
+  return lambda h_BTF: matmul("btf,fd->btd", constrain(h_BTF, ("batch", "length", "mlp")), kernel_FD, cfg.dtype,
+                              cfg.fp8)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, activation, matmul, param, zeros
+from model.layers import INIT_STD, activated_down, matmul, param, zeros
 from model.mlp import SwiGLU
 from model.placement import constrain, current, shard_mean
 
@@ -196,7 +196,7 @@ class MoE(nnx.Module):
   def experts(self, x, *weights, groups: Routing | None = None):
     """Each expert's feed-forward layer: on its slots x_EBCD (the expert axis may be a local shard), or
     with `groups`, on rows x_BJD sorted by expert."""
-    dtype, fp8, recompute = self.cfg.dtype, self.cfg.fp8, self.cfg.recompute_activation
+    dtype, fp8 = self.cfg.dtype, self.cfg.fp8
     if groups is None:
       dot = lambda x_EBCD, w_EDF: matmul("ebcd,edf->ebcf", x_EBCD, w_EDF, dtype, fp8)
       bias = lambda b_EF: b_EF[:, None, None].astype(dtype)
@@ -206,10 +206,10 @@ class MoE(nnx.Module):
       bias = lambda b_EF: b_EF[expert_BJ].astype(dtype)
     if self.gated:
       gate_EDF, up_EDF, down_EFD = weights
-      return dot(activation("silu", dot(x, gate_EDF), recompute) * dot(x, up_EDF), down_EFD)
+      return activated_down("silu", lambda h: dot(h, down_EFD), self.cfg, dot(x, gate_EDF), dot(x, up_EDF))
     up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h = activation("gelu", dot(x, up_EDF) + bias(up_bias_EF), recompute)
-    return dot(h, down_EFD) + bias(down_bias_ED)
+    h = dot(x, up_EDF) + bias(up_bias_EF)
+    return activated_down("gelu", lambda h: dot(h, down_EFD), self.cfg, h) + bias(down_bias_ED)
 
 
 def summarize(stats_LX: dict) -> dict:

@@ -30,16 +30,18 @@ def units(b, file: str, code: str = "") -> list[float]:
 
 # The up projection's output is F values per token: F/D = 4 units in bfloat16, 8 in float32.
 @pytest.mark.parametrize("dtype, pre_activation", [("float32", 8), ("bfloat16", 4)])
-def test_the_mlp_keeps_its_pre_activation_and_tanh_gelus_intermediates(dtype, pre_activation):
+def test_the_mlp_keeps_its_pre_activation_alone_and_autodiff_tanh_gelus_values_too(dtype, pre_activation):
+  # model.recompute_activation (the default): the activation and the down projection's input are made again
+  # in the backward pass from the pre-activation, the only value of the MLP kept.
   b = budget(**{"precision.compute": dtype})
   assert units(b, "model/mlp.py", "h_BTF = matmul(") == [pre_activation]
-  # tanh-GELU differentiated as written keeps four more values as wide: 4 x F/D units in bfloat16.
-  assert sum(units(b, "model/layers.py", "fn(x)")) == 4 * pre_activation
+  assert units(b, "model/layers.py", "ACTIVATIONS[name](h)") == [] and units(b, "in gelu") == []
   assert all("32" in s.type for s in b.saved)  # every value has the 32 positions: no weight, nor its cast
-  # Recomputed in the backward pass, the activation keeps only its output (the down projection's input),
-  # which jax makes again from its own frames: no model line names it.
-  recomputed = budget(**{"precision.compute": dtype, "model.recompute_activation": True})
-  assert units(recomputed, "model/layers.py", "fn(x)") == [] and units(recomputed, "mul in gelu") == [pre_activation]
+  # tanh-GELU differentiated as written keeps four more values as wide, its output among them: 4 x F/D units.
+  autodiff = budget(**{"precision.compute": dtype, "model.recompute_activation": False})
+  assert units(autodiff, "model/mlp.py", "h_BTF = matmul(") == [pre_activation]
+  assert sum(units(autodiff, "model/layers.py", "ACTIVATIONS[name](h)")) == 4 * pre_activation
+  assert b.units(autodiff.per_layer - b.per_layer) == 4 * pre_activation
 
 
 @pytest.mark.parametrize("dtype, width_bytes", [("float32", 4), ("bfloat16", 2)])
