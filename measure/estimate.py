@@ -342,10 +342,11 @@ def host_memory(config, mesh: dict) -> int:
 
 
 def _loss_bytes(d: Dims) -> int:
-  """The head and loss running backward over one chunk: the chunk's logits in float32 three times
-  (logits, exponentials, their gradient) and in the compute dtype twice, the head input's gradient, and
-  the head weight's float32 gradient for the chunk beside the running sum (counted in `grads`)."""
-  logits = d.batch * d.loss_positions * d.vocab * (3 * F32_BYTES + 2 * d.compute_bytes)
+  """The head and loss running backward over one chunk: the chunk's logits in the compute dtype twice
+  (the head's output and its gradient: float32 exists only inside the loss's reductions), the head
+  input's gradient, and the head weight's float32 gradient for the chunk beside the running sum
+  (counted in `grads`)."""
+  logits = d.batch * d.loss_positions * d.vocab * 2 * d.compute_bytes
   return logits + d.activation_bytes(d.embed) + d.embed * d.vocab * F32_BYTES
 
 
@@ -398,8 +399,9 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
     tokens = d.batch * d.length // stages
     chunk = tokens // chunk_count(tokens, chunk_positions(config.model.loss_chunk, d.batch, 1))
-    # Every micro-batch's chunk of float32 logits, exponentials and their gradient stays until its backward tick.
-    loss = 3 * chunk * d.vocab * f32 + d.activation_bytes(d.embed) // stages
+    # Every micro-batch's chunk of logits stays, in the compute dtype, until its backward tick (the loss
+    # reads them in float32 only inside its reductions).
+    loss = chunk * d.vocab * d.compute_bytes + d.activation_bytes(d.embed) // stages
     # Each stashed micro-batch's residuals; what a layer saves whatever the micro-batch (the weights'
     # casts to the compute dtype), once.
     kept = layers * layer.saved_bytes(d, per_sequence=False)
