@@ -91,7 +91,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention = "auto"
   c.model.attention_block = 512  # xla attention: positions per query/key block; memory is linear in T
   c.model.sliding_window = 0  # W > 0: each query sees the W latest positions up to its own (Mistral); 0: all
-  c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: float32 logits exist chunk by chunk
+  c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: logits exist chunk by chunk
   c.model.mlp_chunk = 0  # tokens per device in one chunk of the MLP, recomputed in backward (long contexts); 0: off
   c.model.document_end = -1  # token that ends a packed document, attention stops there; data.segments sets it
   c.model.kv_heads = 0  # llama: key/value heads for grouped-query attention; 0 = num_heads
