@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AxisType, PartitionSpec as P
-from jax.test_util import check_grads
+from jax import test_util
 
 from helpers import LLAMA, make_train_step, setup, tiny_config
 from model import gpt2, layers, llama
@@ -87,7 +87,7 @@ def test_gradients_pass_a_numerical_check_in_float64(kind):
   with jax.enable_x64(True):
     x, scale, bias, _ = inputs(jnp.float64, (16,))
     scale, bias = scale.astype(jnp.float64), bias.astype(jnp.float64)
-    check_grads(norm(kind), (x, scale, bias), order=2, modes=["rev"])
+    test_util.check_grads(norm(kind), (x, scale, bias), order=2, modes=["rev"])
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
