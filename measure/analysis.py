@@ -43,10 +43,10 @@ import tempfile
 from typing import NamedTuple
 
 import numpy as np
-from jax._src import config as jax_config  # the cache switch as a context manager
 from jax.experimental.compilation_cache import compilation_cache
 
 from measure import tiers
+from parallel import jax_compat
 from parallel.mesh import slow_tier_groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -107,7 +107,7 @@ def _without_persistent_cache():
   the cache is in use, so that decision is reset on the way in and again on the way out."""
   compilation_cache.reset_cache()
   try:
-    with jax_config.enable_compilation_cache(False):
+    with jax_compat.compilation_cache_disabled():
       yield
   finally:
     compilation_cache.reset_cache()

@@ -4,7 +4,8 @@ import json
 import os
 
 import jax
-from jax._src import distributed as jax_distributed
+
+from parallel import jax_compat
 
 # Variables that mean "this process is one of several": TPU pod workers and SLURM tasks.
 _CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_NTASKS")
@@ -82,7 +83,7 @@ def check_same_config(config) -> None:
   """
   if jax.process_count() == 1:
     return
-  client = jax_distributed.global_state.client
+  client = jax_compat.coordination_client()
   timeout_ms = config.distributed.heartbeat_seconds * 1000
   mine = json.loads(json.dumps(_settings(config)))  # as process 0's arrives: tuples as lists
   if jax.process_index() == 0:

@@ -53,13 +53,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src.interpreters import partial_eval as pe  # which residuals depend on a stage's input
 from jax.sharding import PartitionSpec as P
 
 from model.moe import AUX_LOSS
 from model.placement import placed
 from model.transformer import STACKED, packed_documents
-from parallel import context, microbatch, placement, schedules
+from parallel import context, jax_compat, microbatch, placement, schedules
 from parallel.mesh import PIPELINE, SEQUENCE
 from parallel.rules import BATCH_AXES, as_entry, entry_axes
 
@@ -298,7 +297,7 @@ def _one_f_one_b(layout, params, tokens, scale):
   # dependence on the stage's input (and the micro-batch's index, which picks its packed documents): the
   # residuals JAX's partial evaluation leaves unknown without them.
   residuals = lambda blocks, x_bTD, f: jax.tree.leaves(jax.vjp(differentiated(f), blocks, x_bTD, has_aux=True)[1])
-  per_micro = pe.partial_eval_jaxpr_nounits(
+  per_micro = jax_compat.partial_eval_jaxpr_nounits(
       jax.make_jaxpr(residuals)(blocks, x_MbTD[0], jnp.int32(0)), [False] * len(jax.tree.leaves(blocks)) + [True, True],
       instantiate=False)[2]
   # Traced at a micro-batch index that varies over `pipeline` as the slots' do (they come from the stage's

@@ -10,7 +10,8 @@ processes that started it together have looked for the mark, so only a later sta
 """
 
 import jax
-from jax._src import distributed as jax_distributed
+
+from parallel import jax_compat
 
 _STARTED = "meshlm/run_started"  # the coordination service's key: set, the run is in progress
 _START_TIMEOUT_MS = 10 * 60 * 1000  # the processes of one start may be launched minutes apart
@@ -22,7 +23,7 @@ def joining_run() -> bool:
   Every process that starts the run together waits at one barrier after looking for the mark, and
   only then does process 0 set it: none of them can see it, and a process started again later does.
   """
-  client = jax_distributed.global_state.client  # as JAX's fault tolerance guide reaches it
+  client = jax_compat.coordination_client()
   try:
     client.key_value_try_get(_STARTED)
     return True

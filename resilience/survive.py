@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import jax
-from jax._src import distributed as jax_distributed
 from jax.experimental.multihost_utils import ProcessFailureError, live_devices
 from ml_collections import ConfigDict
 
 from input_pipeline import data
 from measure import analysis
+from parallel import jax_compat
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE
 from resilience.peer_copies import PeerCopies
 from resilience.redundancy import lost_shard, survival_problem
@@ -403,7 +403,7 @@ def leave_together(devices) -> None:
   and a process still connected when it goes is aborted at exit."""
   with live_devices(list(devices)):
     pass  # every live process has finished its run
-  client = jax_distributed.global_state.client  # as JAX's fault tolerance guide reaches it
+  client = jax_compat.coordination_client()
   if jax.process_index() != 0:
     jax.distributed.shutdown()
     return
