@@ -10,6 +10,8 @@ import os
 
 import ml_collections
 
+from configs.base import base
+
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
@@ -38,6 +40,14 @@ def set_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collection
                      f"{', '.join(sorted(node.keys()))}.")
     node[leaf] = value
   return config
+
+
+def restored(stored: dict, fields: dict) -> ml_collections.ConfigDict:
+  """A saved run's `stored` config over configs/base.py's (fields added since it was saved keep their
+  defaults), then the dotted `fields` (a mesh or precision to read it with)."""
+  config = base()
+  config.update(stored)
+  return set_fields(config, fields)
 
 
 def override(config: ml_collections.ConfigDict, path: str, text: str) -> None:

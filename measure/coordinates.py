@@ -24,13 +24,10 @@ PARAMETRISATIONS = ("standard", "muP")
 
 def width_config(width: int, base: int, mup: bool, lr: float):
   """The tiny GPT-2 at `width`, muP against `base` or not, trained by AdamW at a constant `lr`."""
-  config = load.load("configs/gpt2.py:tiny")
-  config.model.embed_dim, config.model.num_heads, config.model.mlp_dim = width, width // HEAD_WIDTH, 4 * width
-  config.mup.base_width = base if mup else 0
-  config.optimizer.lr, config.optimizer.clip_norm = lr, 0.0
-  config.schedule.warmup_steps, config.schedule.decay = 0, "constant"
-  config.precision.compute, config.batch_size = "float32", 8
-  return config
+  return load.set_fields(load.load("configs/gpt2.py:tiny"), {
+      "model.embed_dim": width, "model.num_heads": width // HEAD_WIDTH, "model.mlp_dim": 4 * width,
+      "mup.base_width": base if mup else 0, "optimizer.lr": lr, "optimizer.clip_norm": 0.0,
+      "schedule.warmup_steps": 0, "schedule.decay": "constant", "precision.compute": "float32", "batch_size": 8})
 
 
 def coordinate_sizes(width: int, base: int, mup: bool, lr: float, steps: int) -> list[tuple[float, float]]:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs.base import base
+from configs import load
 from input_pipeline import data
 from input_pipeline.tokenizer import run_tokenizer
 from model.kv_cache import forward_cached, init_cache
@@ -124,11 +124,9 @@ def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None
     step = steps[-1] if step == -1 else step
     if step not in steps:
       raise ValueError(f"{checkpoints.directory} holds steps {steps}, not {step}.")
-    config = base()  # fields added since the checkpoint was written keep their defaults
-    config.update(checkpoints.stored_config(step))
-    if mesh_sizes:
-      config.mesh.update(mesh_sizes)
-    config.precision.compute = compute or config.precision.compute
+    config = load.restored(checkpoints.stored_config(step),
+                           {**{f"mesh.{axis}": size for axis, size in (mesh_sizes or {}).items()},
+                            **({"precision.compute": compute} if compute else {})})
     layout = plan(config)
     params = checkpoints.restore_params(step, abstract_inputs(layout, config)[0]["params"])
   finally:
