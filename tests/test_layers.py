@@ -49,6 +49,25 @@ def test_a_module_imports_only_from_rooms_below_its_own(module):
   assert not upward, f"{module} (floor {FLOOR[room]}) imports {sorted(upward)}, on its floor or above"
 
 
+def reaches_into_jax_src(node: ast.AST) -> bool:
+  """`import jax._src...`, `from jax._src... import`, `from jax import _src`, or `jax._src` read off jax."""
+  if isinstance(node, ast.Import):
+    return any(alias.name.split(".")[:2] == ["jax", "_src"] for alias in node.names)
+  if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+    return (node.module.split(".")[:2] == ["jax", "_src"]
+            or node.module == "jax" and any(alias.name == "_src" for alias in node.names))
+  return isinstance(node, ast.Attribute) and node.attr == "_src" and getattr(node.value, "id", None) == "jax"
+
+
+def test_only_the_compatibility_module_reaches_into_jax_src():
+  # A private JAX name moves without notice between releases: parallel/jax_compat.py holds each one
+  # the tree needs, and tests/test_jax_compat.py says in one line which one a jax upgrade moved.
+  tree = [*MODULES, *sorted(p.relative_to(ROOT) for p in (ROOT / "tests").glob("*.py"))]
+  reaching = [str(module) for module in tree if module != Path("parallel/jax_compat.py")
+              and any(map(reaches_into_jax_src, ast.walk(ast.parse((ROOT / module).read_text()))))]
+  assert not reaching, f"{reaching} import jax._src; reach the private piece through parallel/jax_compat.py"
+
+
 def test_a_test_file_shares_code_through_helpers_not_through_another_test_file():
   for path in sorted((ROOT / "tests").glob("test_*.py")):
     imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
