@@ -28,7 +28,7 @@ from lm_eval.api.model import TemplateLM
 from configs.base import base
 from input_pipeline.tokenizer import checkpoint_tokenizer
 from interop.hf_checkpoint import open_init_from
-from model.config import FAMILIES
+from model.families import FAMILIES
 from model.placement import placed
 from parallel import placement
 from training.sample import generate

@@ -40,7 +40,8 @@ import functools
 import math
 from collections.abc import Callable
 
-from model.config import FAMILIES, ModelConfig
+from model.config import ModelConfig
+from model.families import FAMILIES
 
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
 
@@ -169,14 +170,18 @@ def tensors(cfg: ModelConfig, tied: bool) -> dict:
 
 def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
-  found = next((m for m in MAPPINGS.values() if m.family == cfg.family and m.experts == bool(cfg.num_experts)
-                and m.shared == bool(cfg.moe_shared_width) and (m.windowed or not cfg.sliding_window)), None)
-  if found is None:
-    raise ValueError(f"meshlm's {cfg.family} with moe.experts={cfg.num_experts}, moe.shared_width="
-                     f"{cfg.moe_shared_width} and model.sliding_window={cfg.sliding_window} has no Hugging Face "
-                     "architecture; export a llama (Llama, Mistral with a window, Mixtral with experts), a gpt2, a "
-                     "qwen2 (Qwen2-MoE: experts and a shared expert) or a qwen3 (Qwen3-MoE: experts), none of them "
-                     "with a window but Mistral and Mixtral.")
+  if cfg.family in UNMAPPED:
+    raise ValueError(f"meshlm's {cfg.family} has no Hugging Face architecture: {UNMAPPED[cfg.family]}.")
+  holding = [m for m in MAPPINGS.values() if m.holds(cfg)]
+  found = next((m for m in holding if m.family == cfg.family), None)
+  if found is None:  # the architectures that hold these settings, or where none does, every one
+    choices = sorted(holding or MAPPINGS.values(), key=lambda m: list(FAMILIES).index(m.family))
+    named = [f"{m.family} ({m.architecture}: {m.holding})" for m in choices]
+    raise ValueError(
+        f"meshlm's {cfg.family} with moe.experts={cfg.num_experts}, moe.shared_width={cfg.moe_shared_width} and "
+        f"model.sliding_window={cfg.sliding_window} has no Hugging Face architecture"
+        f"{'' if holding else ', nor does any family with those settings'}; export a "
+        f"{', '.join(named[:-1])}{' or ' * (len(named) > 1)}{named[-1]} model.")
   if cfg.num_experts and cfg.moe_every != 1:
     raise ValueError(f"moe.every={cfg.moe_every}: {found.architecture} makes every feed-forward layer a mixture "
                      "of experts; export a model trained with moe.every=1.")
@@ -259,7 +264,7 @@ def _gpt2_fields(hf: dict, where: str) -> dict:
 
 
 def _llama_fields(hf: dict, where: str, family: str = "llama", windowed: bool = False) -> dict:
-  """config.model for the rotary families (llama, qwen2, qwen3): their config.json fields are the same. A
+  """config.model for the rotary families: their config.json fields are the same. A
   `windowed` architecture's sliding_window is read too (Qwen's config.json names one it does not use)."""
   width, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_width = hf.get("head_dim") or width // heads
@@ -281,7 +286,7 @@ def _llama_fields(hf: dict, where: str, family: str = "llama", windowed: bool = 
               head_width=0 if head_width * heads == width else head_width,
               kv_heads=hf.get("num_key_value_heads") or heads, embed_dim=width,
               mlp_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-              norm_eps=hf.get("rms_norm_eps", FAMILIES["llama"].norm_eps), rope_theta=float(rope["rope_theta"]))
+              norm_eps=hf.get("rms_norm_eps", FAMILIES[family].norm_eps), rope_theta=float(rope["rope_theta"]))
 
 
 # transformers 5 writes num_local_experts for every MoE architecture; Qwen-MoE configs before it, num_experts.
@@ -343,13 +348,18 @@ def _expert_config(cfg: ModelConfig, tied: bool, dtype: str, width: str, **fixed
           "num_experts_per_tok": cfg.moe_top_k, **fixed}
 
 
+# Registered families (model/families.py) that no Hugging Face architecture holds: family -> why, which export
+# gives as its refusal (tests/test_families.py holds every other family to a mapping).
+UNMAPPED: dict[str, str] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilyMapping:
   """One Hugging Face architecture's conversion: adding a family (or its experts) adds one of these."""
 
   architecture: str  # config.json's `architectures` entry
   model_type: str  # config.json's `model_type`
-  family: str  # meshlm's model.family
+  family: str  # meshlm's model.family, registered in model/families.py (tests/test_families.py holds the two alike)
   experts: bool  # whether its feed-forward layers are mixtures of experts (moe.experts > 0)
   shared: bool  # whether its experts have a shared one beside them (moe.shared_width > 0)
   windowed: bool  # whether its attention may slide a window (config.json's sliding_window: model.sliding_window)
@@ -358,6 +368,17 @@ class FamilyMapping:
   tied: Callable[[dict], bool]  # whether config.json ties the head to the token table
   tensors: Callable[[ModelConfig, bool], dict]  # meshlm weight path -> Tensor
   config: Callable[[ModelConfig, bool, str], dict]  # config.model -> config.json
+
+  def holds(self, cfg: ModelConfig) -> bool:
+    """Whether the architecture holds cfg's experts, shared expert and window, whatever cfg's family."""
+    return (self.experts == bool(cfg.num_experts) and self.shared == bool(cfg.moe_shared_width)
+            and (self.windowed or not cfg.sliding_window))
+
+  @property
+  def holding(self) -> str:
+    """What it holds, in words: experts (and a shared one) or dense, and a window."""
+    kind = ("experts and a shared expert" if self.shared else "experts") if self.experts else "dense"
+    return kind + ", a window" * self.windowed
 
 
 def _rotary(architecture: str, model_type: str, family: str, refused: tuple, experts: tuple | None = None,

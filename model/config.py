@@ -5,6 +5,8 @@ import math
 
 import jax.numpy as jnp
 
+from model.families import FAMILIES, Family
+
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # model/llama.py rotary_frequencies
@@ -13,32 +15,8 @@ VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and ma
 
 
 @dataclasses.dataclass(frozen=True)
-class FamilyTraits:
-  """What sets a model family apart, read by whatever depends on it (the feed-forward layer, the
-  estimator, the checkpoint mappings) instead of tests of the family's name."""
-
-  norm_eps: float  # the published normalisation epsilon
-  gated_mlp: bool  # SwiGLU's three matrices; otherwise a GELU MLP's two
-  biases: bool  # the linear layers carry biases
-  tied_head: bool  # the logits reuse the token table (vocab, embed); otherwise an (embed, vocab) head
-  rotary: bool  # positions enter by rotating queries and keys (model.rope_*); otherwise a learned table
-  qkv_bias: bool = False  # only the query, key and value projections carry biases (Qwen2)
-  qk_norm: str = ""  # queries and keys RMS-normalised before rotary: each head ("head", Qwen3) or whole ("width", OLMoE)
-
-
-_LLAMA = FamilyTraits(norm_eps=1e-6, gated_mlp=True, biases=False, tied_head=False, rotary=True)
-FAMILIES = {  # model/gpt2.py, llama.py, qwen.py and olmoe.py build them (training/state.py MODEL_FAMILIES)
-    "gpt2": FamilyTraits(norm_eps=1e-5, gated_mlp=False, biases=True, tied_head=True, rotary=False),
-    "llama": _LLAMA,
-    "qwen2": dataclasses.replace(_LLAMA, qkv_bias=True),
-    "qwen3": dataclasses.replace(_LLAMA, qk_norm="head"),
-    "olmoe": dataclasses.replace(_LLAMA, qk_norm="width"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  family: str  # gpt2 | llama | qwen2 | qwen3 | olmoe
+  family: str  # a name in model/families.py FAMILIES
   num_layers: int
   num_heads: int
   embed_dim: int
@@ -70,7 +48,7 @@ class ModelConfig:
   rope_beta_slow: float = 1.0  # yarn: and below which it is divided by rope_factor
   rope_attention_factor: float = 0.0  # yarn: cos and sin scaled by it; 0: 0.1 ln(rope_factor) + 1
   rope_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs
-  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (FamilyTraits.norm_eps)
+  norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (Family.norm_eps)
   num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
   moe_every: int = 1
   moe_top_k: int = 2
@@ -104,7 +82,7 @@ class ModelConfig:
     return self.kv_heads or self.num_heads
 
   @property
-  def traits(self) -> FamilyTraits:
+  def traits(self) -> Family:
     return FAMILIES[self.family]
 
   @property
@@ -241,9 +219,10 @@ class ModelConfig:
         raise ValueError(f"moe.{field[4:]}={getattr(self, field)} must be a finite number >= 0 (0 turns that "
                          "loss off); a negative weight rewards what the loss penalises.")
     if self.moe_shared_width < 0 or (self.moe_shared_width and not self.traits.gated_mlp):
-      raise ValueError(f"moe.shared_width={self.moe_shared_width}: a shared expert is a SwiGLU of that width "
-                       f"(Qwen2-MoE's), which model.family={self.family!r} does not have; use 0, or a llama or "
-                       "qwen family.")
+      gated = ", ".join(name for name, family in FAMILIES.items() if family.gated_mlp)
+      raise ValueError(f"moe.shared_width={self.moe_shared_width}: a shared expert is a gated feed-forward layer of "
+                       f"that width (Qwen2-MoE's SwiGLU), which model.family={self.family!r} does not have; use 0, "
+                       f"or one of {gated}.")
     if self.moe_every < 1 or self.num_layers % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

@@ -9,7 +9,7 @@ from flax import nnx
 from model.attention import attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, matmul, ones, param, rms_norm, vocab_param
-from model.mlp import SwiGLU
+from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, stacked
@@ -134,7 +134,7 @@ class Block(nnx.Module):
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.attn = self.attention_class(cfg, rngs)
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.mlp = MoE(cfg, rngs) if moe else SwiGLU(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
   def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
     x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache), ACTIVATION_AXES)

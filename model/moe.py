@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, activated_down, matmul, param, zeros
-from model.mlp import SwiGLU
+from model.layers import INIT_STD, matmul, param, zeros
+from model.mlp import Mlp, feed_forward, weight_names
 from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
@@ -149,14 +149,13 @@ class MoE(nnx.Module):
     self.router = param(rngs, (d, e), ("embed", None))  # small: replicated, computed in float32
     self.up_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
     self.down_kernel = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=out_std)
-    self.gated = cfg.traits.gated_mlp  # SwiGLU experts (Llama's), or GELU MLPs with biases (GPT-2's)
-    if self.gated:
+    if cfg.traits.gated_mlp:
       self.gate_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
-    else:
+    if cfg.traits.biases:
       self.up_bias = zeros((e, f), ("expert", "mlp"))
       self.down_bias = zeros((e, d), ("expert", "embed"))
-    if cfg.moe_shared_width:  # Qwen2-MoE's shared expert: a SwiGLU every token takes, behind a sigmoid gate
-      self.shared = SwiGLU(dataclasses.replace(cfg, mlp_dim=cfg.moe_shared_width), rngs)
+    if cfg.moe_shared_width:  # Qwen2-MoE's shared expert: the family's SwiGLU, every token through it, sigmoid-gated
+      self.shared = Mlp(dataclasses.replace(cfg, mlp_dim=cfg.moe_shared_width), rngs)
       self.shared_gate_kernel = param(rngs, (d, 1), ("embed", None))
     self.cfg = cfg
 
@@ -189,9 +188,7 @@ class MoE(nnx.Module):
     return local(y_BTD), stats
 
   def _expert_weights(self) -> tuple:
-    if self.gated:
-      return self.gate_kernel[...], self.up_kernel[...], self.down_kernel[...]
-    return self.up_kernel[...], self.up_bias[...], self.down_kernel[...], self.down_bias[...]
+    return tuple(getattr(self, name)[...] for name in weight_names(self.cfg))
 
   def experts(self, x, *weights, groups: Routing | None = None):
     """Each expert's feed-forward layer: on its slots x_EBCD (the expert axis may be a local shard), or
@@ -204,12 +201,7 @@ class MoE(nnx.Module):
       dot = grouped_matmul(groups.counts_BE, dtype)
       expert_BJ = jnp.take_along_axis(groups.experts_BTK.reshape(x.shape[:2]), groups.sorted_BJ, axis=1)
       bias = lambda b_EF: b_EF[expert_BJ].astype(dtype)
-    if self.gated:
-      gate_EDF, up_EDF, down_EFD = weights
-      return activated_down("silu", lambda h: dot(h, down_EFD), self.cfg, dot(x, gate_EDF), dot(x, up_EDF))
-    up_EDF, up_bias_EF, down_EFD, down_bias_ED = weights
-    h = dot(x, up_EDF) + bias(up_bias_EF)
-    return activated_down("gelu", lambda h: dot(h, down_EFD), self.cfg, h) + bias(down_bias_ED)
+    return feed_forward(self.cfg, x, weights, dot, dot, bias)
 
 
 def summarize(stats_LX: dict) -> dict:

@@ -29,7 +29,7 @@ from configs.gpt2 import get_config
 from helpers import ROOT, tiny_config
 from measure import analysis, estimate
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
-from model.mlp import Mlp, SwiGLU
+from model.mlp import Mlp
 from training.state import model_config, plan
 
 TOLERANCE = 0.15  # memory
@@ -201,7 +201,7 @@ def test_widening_the_mlp_grows_what_a_layer_saves_as_jax_lists_the_mlp_residual
   fields = {"model.family": family, "model.recompute_activation": recompute}
   cfg = model_config(tiny_config(**fields))
   with nnx.use_eager_sharding(False):
-    graphdef, params = nnx.split({"gpt2": Mlp, "llama": SwiGLU}[family](cfg, nnx.Rngs(0)))
+    graphdef, params = nnx.split(Mlp(cfg, nnx.Rngs(0)))
   residuals = io.StringIO()
   with contextlib.redirect_stdout(residuals):  # differentiated by its weights too, as training does
     print_saved_residuals(lambda params, x: nnx.merge(graphdef, params)(x), params, jnp.zeros((2, 32, cfg.embed_dim)))

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from configs.gpt2 import get_config
 from helpers import make_train_step, setup, tiny_config
 from measure import saved_for_backward
-from model.mlp import Mlp, SwiGLU
+from model.mlp import Mlp
 from model.moe import MoE
 from training.state import model_config
 
@@ -37,7 +37,7 @@ def layer(name: str, compute: str, recompute: bool):
   family, experts = LAYERS[name]
   cfg = model_config(tiny_config(**{"model.family": family, "precision.compute": compute,
                                     "model.recompute_activation": recompute, **experts}))
-  module = MoE if experts else {"gpt2": Mlp, "llama": SwiGLU}[family]
+  module = MoE if experts else Mlp
   with nnx.use_eager_sharding(False):
     graphdef, params = nnx.split(module(cfg, nnx.Rngs(0)))
   leaves, tree = jax.tree.flatten(params)

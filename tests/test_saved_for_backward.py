@@ -34,12 +34,12 @@ def test_the_mlp_keeps_its_pre_activation_alone_and_autodiff_tanh_gelus_values_t
   # model.recompute_activation (the default): the activation and the down projection's input are made again
   # in the backward pass from the pre-activation, the only value of the MLP kept.
   b = budget(**{"precision.compute": dtype})
-  assert units(b, "model/mlp.py", "h_BTF = matmul(") == [pre_activation]
+  assert units(b, "model/mlp.py", "up = up + bias(") == [pre_activation]
   assert units(b, "model/layers.py", "ACTIVATIONS[name](h)") == [] and units(b, "in gelu") == []
   assert all("32" in s.type for s in b.saved)  # every value has the 32 positions: no weight, nor its cast
   # tanh-GELU differentiated as written keeps four more values as wide, its output among them: 4 x F/D units.
   autodiff = budget(**{"precision.compute": dtype, "model.recompute_activation": False})
-  assert units(autodiff, "model/mlp.py", "h_BTF = matmul(") == [pre_activation]
+  assert units(autodiff, "model/mlp.py", "up = up + bias(") == [pre_activation]
   assert sum(units(autodiff, "model/layers.py", "ACTIVATIONS[name](h)")) == 4 * pre_activation
   assert b.units(autodiff.per_layer - b.per_layer) == 4 * pre_activation
 

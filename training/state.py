@@ -15,19 +15,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model import mup
 from model.config import ModelConfig
-from model.gpt2 import GPT2
-from model.llama import Llama
-from model.olmoe import OLMoE
-from model.qwen import Qwen
+from model.families import FAMILIES
 from model.transformer import chunk_positions
 from parallel import rules, schedules
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
 from training.optimizer import make_optimizer
-
-MODEL_FAMILIES = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen, "qwen3": Qwen, "olmoe": OLMoE}
-
 
 def model_config(config) -> ModelConfig:
   """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
@@ -42,7 +36,7 @@ def model_config(config) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
-  return mup.scale_initialization(MODEL_FAMILIES[cfg.family](cfg, nnx.Rngs(params=seed)))
+  return mup.scale_initialization(FAMILIES[cfg.family].build(cfg, nnx.Rngs(params=seed)))
 
 
 @dataclasses.dataclass(frozen=True)
