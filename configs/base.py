@@ -69,7 +69,7 @@ def base() -> ml_collections.ConfigDict:
   c.peer_copy_every = 0
 
   c.model = ml_collections.ConfigDict()
-  c.model.family = "gpt2"  # gpt2 | llama | qwen2 | qwen3
+  c.model.family = "gpt2"  # a family registered in model/families.py
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.embed_dim = 128

@@ -22,7 +22,8 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
 from measure import analysis  # pylint: disable=wrong-import-position
-from model.config import FAMILIES, ModelConfig  # pylint: disable=wrong-import-position
+from model.config import ModelConfig  # pylint: disable=wrong-import-position
+from model.families import FAMILIES  # pylint: disable=wrong-import-position
 from model.moe import AUX_LOSS, MoE  # pylint: disable=wrong-import-position
 
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024", "2048", "4096"], "Sequence lengths.")
