@@ -59,6 +59,7 @@ from model.moe import AUX_LOSS
 from model.placement import placed
 from model.transformer import STACKED, packed_documents
 from parallel import context, jax_compat, microbatch, placement, schedules
+from parallel.layout import Layout
 from parallel.mesh import PIPELINE, SEQUENCE
 from parallel.rules import BATCH_AXES, as_entry, entry_axes
 
@@ -66,7 +67,7 @@ TOKEN_AXES = (*BATCH_AXES, SEQUENCE)  # what splits a batch's tokens: its rows, 
 MANUAL = (PIPELINE, *TOKEN_AXES)
 
 
-def loss_and_grads(layout, params, batch, scale=None):
+def loss_and_grads(layout: Layout, params, batch, scale=None):
   """((objective, statistics), gradients of `scale` x objective) under the layout's schedule, each gradient laid
   out as its optimizer moments: training/step.py's objective and statistics, each the mean over the
   micro-batches. Under ZeRO-1 as under ZeRO-3 a gradient leaves the stages reduce-scattered over `data`
@@ -99,7 +100,7 @@ def loss_and_grads(layout, params, batch, scale=None):
   return loss_stats, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
 
 
-def _tokens(layout, batch) -> dict:
+def _tokens(layout: Layout, batch) -> dict:
   """What the stages read of the batch, in the order the context strategy wants the sequence (zig-zag for
   the ring): inputs, targets, any loss weights, positions, the positions the embedding sees and, packed,
   segment ids."""
@@ -148,7 +149,7 @@ def _stage_major(blocks, outer: int, inner: int):
   return blocks if outer == 1 or inner == 1 else jax.tree.map(reorder, blocks)
 
 
-def _run_stage(layout, params, blocks, x_bTD, positions_T, segments_bT=None):
+def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None):
   """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
   micro-batch's, the same on each of the stage's token shards, so each holds 1/shards of it: summed over
   the devices like the loss's shares, it counts once."""
@@ -168,12 +169,12 @@ def _zeros(tree):
   return jax.tree.map(lambda x: _varying(jnp.zeros(x.shape, x.dtype)), tree)
 
 
-def _shards(layout) -> int:
+def _shards(layout: Layout) -> int:
   """Into how many shards the batch's tokens split over the map's devices of one stage."""
   return math.prod(layout.mesh.shape[a] for a in TOKEN_AXES)
 
 
-def _slot(layout, valid, busy, idle, *operands):
+def _slot(layout: Layout, valid, busy, idle, *operands):
   """busy(*operands) where `valid`, else idle(*operands): under lax.cond, so an idle slot does no work.
 
   Except where a stage's attention passes blocks round a ring: one HLO collective-permute serves every
@@ -187,7 +188,7 @@ def _slot(layout, valid, busy, idle, *operands):
   return jax.tree.map(lambda b, i: jnp.where(valid, b, i), busy(*operands), idle(*operands))
 
 
-def _micro_batches(layout, tokens, name: str):
+def _micro_batches(layout: Layout, tokens, name: str):
   """tokens[name] split into the schedule's micro-batches, [M, b, T]; None where the batch has no such entry."""
   return microbatch.split(tokens[name], layout.microbatches, layout.mesh) if name in tokens else None
 
@@ -197,7 +198,7 @@ def _of_micro_batch(x_MX, m, micro: int):
   return None if x_MX is None else x_MX[jnp.clip(m, 0, micro - 1)]
 
 
-def _circular(layout, params, tokens, scale):
+def _circular(layout: Layout, params, tokens, scale):
   """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
   objective, the blocks run by the gpipe / interleaved schedule."""
   stages, virtual, micro = layout.mesh.shape[PIPELINE], layout.virtual_stages, layout.microbatches
@@ -245,7 +246,7 @@ def _circular(layout, params, tokens, scale):
   return cross_entropy, figures, grads
 
 
-def _one_f_one_b(layout, params, tokens, scale):
+def _one_f_one_b(layout: Layout, params, tokens, scale):
   """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
   objective, by the 1F1B schedule, which runs the backward itself."""
   stages, micro = layout.mesh.shape[PIPELINE], layout.microbatches

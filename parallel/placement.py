@@ -5,6 +5,7 @@ import dataclasses
 
 from model.placement import Placement
 from parallel import context, experts, rules
+from parallel.layout import Layout
 from parallel.mesh import EXPERT
 
 # Decoding never shards `length`: each step sees one position, and the cache is
@@ -12,7 +13,7 @@ from parallel.mesh import EXPERT
 DECODE_RULES = tuple((name, None if name == "length" else axes) for name, axes in rules.ACTIVATION_RULES)
 
 
-def for_layout(layout) -> Placement:
+def for_layout(layout: Layout) -> Placement:
   """The train and eval steps': activations pinned by the rules, attention by the layout's context strategy,
   experts sharded over `expert` by all-to-all, a kernel the partitioner cannot split run per device."""
   mesh = layout.mesh
@@ -23,7 +24,7 @@ def for_layout(layout) -> Placement:
       per_device=context.per_device(mesh))
 
 
-def for_stages(layout) -> Placement:
+def for_stages(layout: Layout) -> Placement:
   """A pipeline stage's, inside the pipeline's map manual over `pipeline`, the batch's axes and `sequence`:
   for_layout's, with attention over a sharded sequence and the experts' all-to-alls run in that map rather
   than in maps of their own, and a MoE router given the whole sequence it ranks."""
@@ -34,7 +35,7 @@ def for_stages(layout) -> Placement:
                              whole_length=context.whole_length if sharded else outer.whole_length)
 
 
-def for_decoding(layout) -> Placement:
+def for_decoding(layout: Layout) -> Placement:
   """Decoding's: activations pinned by DECODE_RULES, and experts sharded over `expert` by all-to-all as in
   the train step (left to the partitioner, the batch-sharded slots would be replicated and re-split by
   expert at every token); attention reads the cache."""
