@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from helpers import ROOT
-from tools import bench_report, bench_runs
+from measure import bench_report, bench_runs
 from training.state import plan
 
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from helpers import ROOT, SIDECAR, need_sidecar
-from tools import bench_runs
+from measure import bench_runs
 
 TINY = "gpt2:tiny,model.vocab_size=50257"
 # A plain-JAX peer that prints the real script's line at the peers' CPU length; a torch peer whose import

@@ -12,11 +12,10 @@ from helpers import (BF16_GRADIENT_TOLERANCES, BF16_LOSS_RTOL, assert_half_gradi
                      objective_and_gradients, read_metrics, setup, tiny_config)
 from model.config import ModelConfig
 import moe_reference
-from measure import analysis
+from measure import analysis, moe_memory
 from model.moe import AUX_LOSS, MoE, _top_k, capacity, route
 from parallel.mesh import DATA, EXPERT
 from run.loop import train
-from tools import moe_memory
 from training.state import active_param_count, param_count, plan
 from training.step import compile_train_step
 

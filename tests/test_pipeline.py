@@ -14,10 +14,9 @@ import pytest
 from helpers import (BF16_LOSS_RTOL, FP16_GRADIENT_TOLERANCES, FP16_LOSS_RTOL, ROOT, STEPS,
                      assert_half_gradients_close, assert_params_close, assert_tree_close, loss_and_gradients,
                      objective_and_gradients, run_layout, setup, tiny_config)
-from measure import analysis
+from measure import analysis, pipeline_bubble
 from parallel import schedules
 from parallel.mesh import EXPERT
-from tools import pipeline_bubble
 from training.state import plan
 from training.step import compile_train_step
 

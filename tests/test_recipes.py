@@ -11,8 +11,8 @@ REGENERATE (docs/research.md, "The recipes").
 import pytest
 
 from helpers import ROOT
-from tools import sweep
-from tools.recipes import RECIPES
+from measure import sweep
+from measure.recipes import RECIPES
 
 PAGE = ROOT / "docs" / "research.md"  # the page that holds every recipe's block
 REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=docs"

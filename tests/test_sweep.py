@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tools import sweep
-from tools.recipes import RECIPES, WSD_STABLE, Recipe
+from measure import sweep
+from measure.recipes import RECIPES, WSD_STABLE, Recipe
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -20,15 +20,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
-# `python tools/bench.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-
-from tools import bench_report, peers  # pylint: disable=wrong-import-position
-from tools.bench_runs import (  # pylint: disable=wrong-import-position
+from measure import bench_report, peers
+from measure.bench_runs import (
     CPU_LAYOUTS, XLA_PRESETS, batch_sizes, build_config, check_presets, child_env, measure_here, run_child,
     searched, split_overrides)
 

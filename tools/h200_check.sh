@@ -22,7 +22,7 @@
 #   best        124M from batch 64, doubling to 256 or until it no longer fits (32 is in `equal`)
 #   best_xl     1.5B from batch 32, doubling to 128 or until it no longer fits
 #   best_peers  both peers one doubling up (124M at 64, 1.5B at 32), beside ours there
-#   flags       124M at batch 32 under each XLA flag preset (tools/bench_runs.py)
+#   flags       124M at batch 32 under each XLA flag preset (measure/bench_runs.py)
 #   profile     a jax.profiler trace of 124M steps 2..4 into $OUT/profile-124m (TensorBoard or Perfetto), and
 #               $OUT/trace_top.md: its kernel time by meshlm source line (tools/trace_top.py)
 # TINY=1 runs equal, layers, flags, profile and speed on the CPU: GPT-2's tiny shape with the peers'
@@ -117,7 +117,7 @@ speed() {
   trap 'rm -rf "$scratch"' EXIT
   part a equal python3 tools/bench.py "$small" "$large" "${common[@]}" "${peers[@]}"
   local flipped
-  read -r -a flipped <<< "$(python3 -c 'import sys; from tools.bench_runs import switched
+  read -r -a flipped <<< "$(python3 -c 'import sys; from measure.bench_runs import switched
 print(*switched(sys.argv[1], sys.argv[2:]))' "${small#--config=}" "${switches[@]}")"
   if [ ${#flipped[@]} -eq 0 ]; then note failed b switches "could not flip ${switches[*]} (see speed.err)"
   else part b switches python3 tools/bench.py "${flipped[@]/#/--config=}" "${common[@]}"; fi

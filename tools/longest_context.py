@@ -19,11 +19,8 @@ out there: off an accelerator the host memory is the device memory.
 
 import math
 import os
-import sys
 from pathlib import Path
 
-# `python tools/longest_context.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # This tool compiles and never runs: skip XLA's CPU pass that widens bf16 all-reduces to float32, which
 # aborts on the sequence-sharded 1B step (train.py --dry_run --simulate_devices does the same).
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion"
@@ -33,9 +30,10 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from measure import analysis, estimate  # pylint: disable=wrong-import-position
+from measure.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
+from measure.longest_context import longest, sequence_mesh  # pylint: disable=wrong-import-position
 from parallel.context import STRATEGIES  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from training.state import plan  # pylint: disable=wrong-import-position
 from training.step import compile_train_step  # pylint: disable=wrong-import-position
 
@@ -47,28 +45,6 @@ _MLP_CHUNK = flags.DEFINE_list("mlp_chunk", ["0", "4096"], "model.mlp_chunk valu
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile the `full` remat cells at their lengths and print XLA's peak.")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the table between <!-- longest-context --> markers in PAGE.")
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "long_context.md"  # the page that holds the table
-STEP = 1024  # lengths searched in multiples of this (times the device count)
-
-
-def sequence_mesh(devices: int) -> dict:
-  return {"data": 1, "pipeline": 1, "expert": 1, "sequence": devices, "tensor": 1}
-
-
-def fits(config, length: int, devices: int, memory_bytes: int, weights) -> bool:
-  config.model.max_len = length
-  return sum(estimate.memory(config, sequence_mesh(devices), weights).values()) <= memory_bytes
-
-
-def longest(config, devices: int, memory_bytes: int, weights) -> int:
-  """The longest multiple of STEP x devices that fits (0 if none): memory grows with length, so bisect."""
-  unit = STEP * devices
-  low, high = 0, 1
-  while fits(config, high * unit, devices, memory_bytes, weights):
-    low, high = high, high * 2
-  while high - low > 1:
-    middle = (low + high) // 2
-    low, high = (middle, high) if fits(config, middle * unit, devices, memory_bytes, weights) else (low, middle)
-  return low * unit
 
 
 def usable(config, strategy: str, devices: int) -> bool:

@@ -15,21 +15,20 @@ JSON line (kind long_context).
 """
 
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
-# `python tools/longest_offload.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tools.longest_context import longest, sequence_mesh  # pylint: disable=wrong-import-position  # sets XLA_FLAGS first
+# Compiled, never run, as in tools/longest_context.py: XLA's pass that widens bf16 all-reduces to float32 is skipped.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion"
 
 import jax  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 
 from measure import analysis, estimate  # pylint: disable=wrong-import-position
+from measure.bench_runs import build_config  # pylint: disable=wrong-import-position
 from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
-from tools.bench_runs import build_config  # pylint: disable=wrong-import-position
+from measure.longest_context import longest, sequence_mesh  # pylint: disable=wrong-import-position
 from training.state import plan  # pylint: disable=wrong-import-position
 from training.step import compile_train_step  # pylint: disable=wrong-import-position
 

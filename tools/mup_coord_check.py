@@ -7,17 +7,13 @@ mup_coord_check block.
 """
 
 import platform
-import sys
 from importlib import metadata
 from pathlib import Path
 
-# `python tools/mup_coord_check.py` puts tools/ on sys.path, not the repo root that holds the packages.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-
-from measure.coordinates import check  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
+from measure.coordinates import check
+from measure.doc_blocks import replace_block
 
 
 def table(sizes: dict) -> str:

@@ -37,8 +37,8 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 
 from configs import llama, megatron  # pylint: disable=wrong-import-position
 from measure import calibration, hardware, planner, step_time  # pylint: disable=wrong-import-position
+from measure.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 
 _ROWS = flags.DEFINE_list("rows", list(megatron.ROWS), f"Megatron-LM rows, of {', '.join(megatron.ROWS)}.")
 _BLOCKS = flags.DEFINE_list("blocks", ["speed", "verify", "tiers", "calibration", "megatron", "llama"],

@@ -144,7 +144,7 @@ def commit() -> str:
 def main(argv):
   del argv
   from absl import flags
-  from tools.doc_blocks import replace_block
+  from measure.doc_blocks import replace_block
   config, write = flags.FLAGS.config, flags.FLAGS.write
   if config.model.family != "gpt2" or config.moe.experts:
     sys.exit(f"error: --config is a {config.model.family} model{' with experts' * bool(config.moe.experts)}; "
@@ -181,7 +181,6 @@ if __name__ == "__main__":
   if sys.argv[1:2] == [TORCH_SIDE]:
     print(json.dumps(torch_saved(**json.loads(sys.argv[2]))))
   else:
-    sys.path.insert(0, str(ROOT))  # `python tools/saved_vs_torch.py` puts tools/ on sys.path, not the repo root
     from absl import app, flags as absl_flags
     from run.config_flag import define_config_flag
     define_config_flag("configs/gpt2.py:124m", "A dense GPT-2 config; --config.<field> sets fields.")

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from measure.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 from measure.dry_run import COMPILED_FLOPS, IDEAL  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
 
 GiB, MiB = 2**30, 2**20
 BASE = ["--config=configs/gpt2.py:1558m", "--dry_run", "--simulate_devices=64", "--config.batch_size=64"]

@@ -14,15 +14,11 @@ tools/trace_top.py's tables (c): each one's per-step total and largest row.
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
-# `python tools/speed_table.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-
-from tools.bench_report import read_records  # pylint: disable=wrong-import-position
+from measure.bench_report import read_records
 
 _OUT = flags.DEFINE_string("out", None, "The folder the speed stage wrote (its $OUT).", required=True)
 

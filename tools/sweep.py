@@ -1,6 +1,6 @@
 """Run a grid of config overrides, one train.py run each, then tabulate and plot them.
 
-  python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from tools/recipes.py
+  python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from measure/recipes.py
   python tools/sweep.py --grid optimizer.name=adamw,adam_l2 --grid schedule.warmup_steps=0,200 --seeds 0,1
   python tools/sweep.py --recipe schedule --set steps=40 --out runs/sweeps/quick
   python tools/sweep.py --recipe all --write docs             # docs/research.md's tables, docs/*.md and docs/*.png
@@ -17,242 +17,18 @@ between docs/research.md's `<!-- recipe:NAME -->` markers (or --page's): those
 tables are this tool's output, never edited by hand.
 """
 
-import csv
 import dataclasses
-import json
-import os
 import re
-import statistics
-import subprocess
 import sys
-import time
-from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-# `python tools/sweep.py` puts tools/ on sys.path, not the repo root that holds tools/ and parallel/.
-sys.path.insert(0, str(ROOT))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
+from measure.doc_blocks import replace_block
+from measure.recipes import RECIPES, Recipe
+from measure.sweep import ROOT, check_runs, parse_grid, parse_set, sweep, write_docs
 
-from configs import load  # pylint: disable=wrong-import-position
-from tools.doc_blocks import replace_block  # pylint: disable=wrong-import-position
-from tools.recipes import RECIPES, Recipe  # pylint: disable=wrong-import-position
-from training.state import model_config  # pylint: disable=wrong-import-position
-from training.validate import check_run  # pylint: disable=wrong-import-position
-
-MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
-
-
-def parse_grid(entries: list[str]) -> tuple:
-  """`field=v1,v2` entries as ((field, (v1, v2)), ...)."""
-  grid = []
-  for entry in entries:
-    field, _, values = entry.partition("=")
-    if not field or not values:
-      raise ValueError(f"--grid {entry!r} is not field=value1,value2,...")
-    grid.append((field, tuple(values.split(","))))
-  return tuple(grid)
-
-
-def parse_set(entries: list[str]) -> dict:
-  fixed = {}
-  for entry in entries:
-    field, eq, value = entry.partition("=")
-    if not field or not eq:
-      raise ValueError(f"--set {entry!r} is not field=value")
-    fixed[field] = value
-  return fixed
-
-
-def run_name(fields: dict) -> str:
-  """A directory name that says what the run varies, e.g. `optimizer.name=adamw,seed=0`."""
-  name = ",".join(f"{k}={v}" for k, v in fields.items())
-  return re.sub(r"[^\w.=,+-]", "_", name)
-
-
-def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
-  """The run's train.py command; `{out}` in a value is the sweep's folder (a branch names a sibling run)."""
-  settings = {k: str(v).replace("{out}", str(workdir.parent)) for k, v in {**recipe.fixed, **fields}.items()}
-  return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
-          *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}",
-          f"--config.wandb.group={recipe.name}"]  # a sweep's runs side by side when W&B is on
-
-
-def device_env(devices: int) -> dict:
-  """This environment with the simulated CPU device count set to `devices` (GPUs and TPUs ignore it)."""
-  others = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
-  return dict(os.environ, XLA_FLAGS=" ".join([*others, f"--xla_force_host_platform_device_count={devices}"]))
-
-
-def run_one(command: list[str], workdir: Path, devices: int) -> dict:
-  """Run (or resume, or skip) one training run; returns its marker."""
-  marker_path = workdir / MARKER
-  marker = json.loads(marker_path.read_text()) if marker_path.exists() else None
-  if marker is not None and marker["command"][1:] != command[1:]:
-    raise ValueError(f"{workdir} holds a run made by another command; delete it or choose another --out.")
-  if marker is not None and marker["finished"]:
-    return {**marker, "skipped": True}
-  workdir.mkdir(parents=True, exist_ok=True)
-  marker = {"command": command, "finished": False}
-  marker_path.write_text(json.dumps(marker, indent=1))
-  started = time.perf_counter()
-  with open(workdir / "train.log", "a") as log:
-    process = subprocess.Popen(command, cwd=ROOT, env=device_env(devices), stdout=log, stderr=log)
-    _, status, usage = os.wait4(process.pid, 0)  # the child's own peak host memory comes with it
-  marker.update(finished=os.waitstatus_to_exitcode(status) == 0, seconds=time.perf_counter() - started,
-                max_rss_mib=usage.ru_maxrss / 1024)
-  marker_path.write_text(json.dumps(marker, indent=1))
-  return marker
-
-
-def read_metrics(workdir: Path) -> tuple[list[dict], list[dict]]:
-  """(train records, eval records) from a run's metrics.jsonl."""
-  path = workdir / "metrics.jsonl"
-  records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-  return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
-
-
-def summarize(workdir: Path, marker: dict) -> dict:
-  """The table's numbers for one run; throughput skips the first interval (warm-up)."""
-  train, evals = read_metrics(workdir)
-  steady = train[1:] or train
-  mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-  peak = train[-1].get("peak_bytes") if train else None
-  return {
-      "final train loss": f"{train[-1]['loss']:.4f}" if train else "failed",
-      "final val loss": f"{evals[-1]['eval_loss']:.4f}" if evals else "",
-      "tokens/s": f"{statistics.median(r['tokens_per_sec'] for r in steady):,.0f}" if steady else "",
-      "MFU": f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a",
-      "peak MiB/device": f"{peak / 2**20:.1f}" if peak else "",
-      "wall s": f"{marker.get('seconds', 0):.0f}",
-  }
-
-
-def steps_to(workdir: Path, target: float) -> str:
-  """The first logged step whose train loss is at most `target` (log_every apart), or "not reached"."""
-  train, _ = read_metrics(workdir)
-  return next((str(r["step"]) for r in train if r["loss"] <= target), "not reached")
-
-
-def write_tables(rows: list[dict], out: Path) -> str:
-  """results.csv and results.md in `out`; returns the markdown."""
-  header = list(rows[0])
-  with open(out / "results.csv", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=header)
-    writer.writeheader()
-    writer.writerows(rows)
-  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-  lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
-  markdown = "\n".join(lines) + "\n"
-  (out / "results.md").write_text(markdown)
-  return markdown
-
-
-def _axes():
-  """A figure of the sweeps' size and its axes, drawn to files only (no display)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt.subplots(figsize=(6.4, 3.6), dpi=100)
-
-
-def _save(figure, axes, path: Path, legend_size: int) -> None:
-  import matplotlib.pyplot as plt
-  axes.grid(alpha=0.3)
-  axes.legend(fontsize=legend_size, frameon=False)
-  figure.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  figure.savefig(path)
-  plt.close(figure)
-
-
-def plot(runs: list[tuple[str, Path]], title: str, path: Path) -> None:
-  """Train loss as lines and validation loss as dots, one colour per run."""
-  figure, axes = _axes()
-  for index, (label, workdir) in enumerate(runs):
-    train, evals = read_metrics(workdir)
-    colour = f"C{index % 10}"
-    axes.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, lw=1.2, label=label)
-    axes.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=colour, ms=4)
-  axes.set(xlabel="step", ylabel="loss (nats/token); dots: validation", title=title)
-  _save(figure, axes, path, 7)
-
-
-def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, path: Path) -> None:
-  """Final validation loss against `field`, one line per setting of the other `varied` fields (log x)."""
-  lines = {}
-  for row in rows:
-    if row["final val loss"]:
-      label = ", ".join(f"{k.split('.')[-1]}={row[k]}" for k in varied if k != field)
-      lines.setdefault(label, []).append((float(row[field]), float(row["final val loss"])))
-  figure, axes = _axes()
-  for index, (label, points) in enumerate(lines.items()):
-    axes.plot(*zip(*sorted(points)), "o-", color=f"C{index % 10}", ms=4, lw=1.2, label=label)
-  axes.set(xscale="log", xlabel=field, ylabel="final validation loss (nats/token)", title=title)
-  _save(figure, axes, path, 6)
-
-
-def _shown(value, runs: list[dict]):
-  """A field's table cell; a sibling run's checkpoint (`{out}/<run>:<step>`) as that run's row and the step."""
-  if not str(value).startswith("{out}/"):
-    return value
-  sibling, step = str(value).removeprefix("{out}/").rsplit(":", 1)
-  rows = [i for i, fields in enumerate(runs, 1) if run_name(fields) == sibling]
-  if not rows:
-    raise ValueError(f"{value!r} names no run of this recipe; `{{out}}/<run>:<step>` takes a run the recipe lists.")
-  return f"row {rows[0]}, step {step}"
-
-
-def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> str:
-  """Run every run of `recipe` that has not finished, then write the tables and the figure."""
-  out = out.resolve()  # train.py runs from the repository root
-  out.mkdir(parents=True, exist_ok=True)
-  runs = recipe.runs()
-  varied = [k for k in runs[0] if k != "seed" or len(recipe.seeds) > 1]
-  rows, curves, failed = [], [], []
-  for index, fields in enumerate(runs, 1):
-    name = run_name(fields)
-    workdir = out / name
-    marker = run_one(train_command(recipe, fields, workdir), workdir, recipe.devices)
-    state = "finished earlier" if marker.get("skipped") else (
-        "done" if marker["finished"] else f"FAILED (see {workdir / 'train.log'})")
-    echo(f"[{index}/{len(runs)}] {name}: {state}")
-    if not marker["finished"]:
-      failed.append(name)
-    label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
-    reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
-    rows.append({**{k: _shown(fields[k], runs) for k in varied},
-                 **{column: describe(fields) for column, describe in recipe.columns.items()},
-                 **summarize(workdir, marker), **reached})
-    curves.append((label, workdir))
-  markdown = write_tables(rows, out)
-  if recipe.versus:
-    plot_versus(rows, varied, recipe.versus, recipe.name, figure or out / "loss.png")
-  else:
-    plot(curves, recipe.name, figure or out / "loss.png")
-  if failed:
-    raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)}; rerun the sweep to retry them.")
-  return markdown
-
-
-def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
-  """A recipe's caption, table and figure and the command that made them, as docs/<recipe>.md and --page hold them."""
-  return (f"*`{recipe.name}`*: {recipe.question}\n\n{table}\n![{recipe.name}]({figure})\n\n"
-          f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
-
-
-def write_docs(recipe: Recipe, table: str, docs: Path, page: Path, command: str) -> None:
-  """<docs>/<name>.md, and the same block between the recipe's markers in `page` (the figure is written)."""
-  figure = docs / f"{recipe.name}.png"
-  (docs / f"{recipe.name}.md").write_text(recipe_block(recipe, table, figure.name, command))
-  link = Path(os.path.relpath(figure.resolve(), page.resolve().parent)).as_posix()
-  block = recipe_block(recipe, table, link, command)
-  page.write_text(replace_block(page.read_text(), f"recipe:{recipe.name}", block))
-
-
-_RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from tools/recipes.py, or all.")
+_RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from measure/recipes.py, or all.")
 _CONFIG = flags.DEFINE_string("config", "configs/gpt2.py:tiny", "Base config and variant (without --recipe).")
 _GRID = flags.DEFINE_multi_string("grid", [], "field=v1,v2,...: one axis of the grid (repeat for more).")
 _SET = flags.DEFINE_multi_string("set", [], "field=value for every run (repeat for more).")
@@ -284,22 +60,6 @@ def recipes_from_flags() -> list[Recipe]:
       raise ValueError(f"--devices={_DEVICES.value} must be at least 1 (simulated CPU devices per run).")
     changes["devices"] = _DEVICES.value
   return [dataclasses.replace(r, fixed={**r.fixed, **parse_set(_SET.value)}, **changes) for r in chosen]
-
-
-def check_runs(recipe: Recipe, out: Path) -> None:
-  """Each run's settings checked as train.py checks them, before any run starts: a misspelt field or
-  a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
-  for the run itself, which sees its own devices."""
-  for fields in recipe.runs():
-    config = load.load(recipe.config)
-    config.workdir = str(out / run_name(fields))  # as `sweep` gives each run its own
-    try:
-      for field, value in {**recipe.fixed, **fields}.items():
-        load.override(config, field, str(value))
-      check_run(config)
-      model_config(config)
-    except ValueError as error:
-      raise ValueError(f"run {run_name(fields)}: {error}") from None
 
 
 def sweep_dir(recipe: Recipe) -> Path:
