@@ -11,12 +11,11 @@ import pytest
 from flax import nnx
 
 from helpers import assert_tree_close, data_config, objective_and_gradients, read_metrics, setup, tiny_config
-from input_pipeline import data, token_files, tokenizer
+from input_pipeline import data, prepare, token_files, tokenizer
 from model.placement import placed
 from model.transformer import token_losses
 from parallel import placement
 from run.loop import train
-from tools import prepare
 from training.step import normalized_weights
 
 RECORDS = [{"prompt": f"{a} + {b} = ", "completion": str(a + b)} for a in range(30) for b in range(30)]

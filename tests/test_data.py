@@ -17,9 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import ROOT, data_config, tiny_config, write_corpus
-from input_pipeline import data, token_files, tokenizer
+from input_pipeline import data, prepare, token_files, tokenizer
 from run.loop import train
-from tools import prepare
 
 B, T = 8, 16
 

@@ -21,12 +21,11 @@ import pytest
 from absl import flags
 
 from helpers import END_OF_TEXT, ROOT, byte_level_bpe, run_reference, tiny_config
-from input_pipeline import data
+from input_pipeline import data, prepare
 from interop import hf_checkpoint
 from interop.harness import MeshlmLM, from_hf, split_perplexity
+from interop.harness_tasks import evaluate, task_manager
 from tools import evaluate as evaluate_tool
-from tools import prepare
-from tools.evaluate import evaluate, task_manager
 from training.checkpoint import Checkpoints
 from training.state import plan, state_from_params
 from training.step import make_eval_step

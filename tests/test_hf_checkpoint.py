@@ -27,10 +27,10 @@ from configs.gpt2 import get_config
 from helpers import ROOT, assert_tree_close, batch_at, gradients, read_metrics, run_reference, tiny_config
 from input_pipeline import data
 from interop import hf_checkpoint, hf_mapping
+from interop.export import export
 from model.placement import placed
 from parallel import placement
 from run.loop import train
-from tools.export import export
 from training.checkpoint import Checkpoints
 from training.state import model_config, plan, state_from_params
 

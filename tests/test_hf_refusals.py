@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 
 from helpers import ROOT, tiny_config
 from interop import hf_checkpoint, hf_mapping
+from interop.export import export
 from run.loop import train
-from tools.export import export
 from training.state import plan
 
 TENSORS = {"transformer.wte.weight": np.ones((3, 4), np.float32), "transformer.wpe.weight": np.ones(5, np.float32)}

@@ -11,10 +11,9 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from helpers import END_OF_TEXT, byte_level_bpe, data_config, run_reference, tiny_config, write_corpus
-from input_pipeline import data
+from input_pipeline import data, prepare
 from input_pipeline.tokenizer import load_tokenizer, run_tokenizer
-from tools import prepare
-from tools.export import export
+from interop.export import export
 from training.checkpoint import Checkpoints
 from training.state import init_state, plan
 

@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import ROOT, data_config
-from input_pipeline import data, tokenizer
-from tools import prepare
+from input_pipeline import data, prepare, tokenizer
 
 DOCUMENTS = ["the first document", "héllo wörld\nwith a newline", "", "日本 {\"not\": \"json syntax\"}"] * 40
 

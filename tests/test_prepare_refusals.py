@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from helpers import END_OF_TEXT, ROOT, byte_level_bpe, write_corpus
-from tools import prepare
+from input_pipeline import prepare
 
 NOT_UTF8 = [b"fine", b"also fine", b"caf\xff au lait", b"fine again"]  # record 2 is not UTF-8
 

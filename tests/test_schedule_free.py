@@ -13,10 +13,10 @@ import pytest
 
 from helpers import (assert_params_close, batch_at, objective_and_gradients, params_after_steps, setup,
                      tiny_config, train_steps)
+from interop.export import export
 from measure import analysis, estimate
 from measure.dry_run import compile_partitioned_train_step, model_weights
 from run.loop import train
-from tools.export import export
 from training import schedule_free
 from training.checkpoint import Checkpoints
 from training.state import init_state, plan

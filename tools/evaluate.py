@@ -16,10 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-# `python tools/evaluate.py` puts tools/ on sys.path, not the repo root that holds training/.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from absl import app, flags, logging  # pylint: disable=wrong-import-position
+from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A meshlm run's workdir.")
 _STEP = flags.DEFINE_integer("step", -1, "With --workdir: the checkpoint step; -1 takes the newest.")
@@ -37,28 +34,6 @@ _PERPLEXITY = flags.DEFINE_enum("perplexity", None, ["train", "val"], "Score thi
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results here as JSON.")
 
 
-def task_manager(tasks: list, include_path: str | None = None):
-  """The harness's TaskManager for `tasks` (its own and those under `include_path`); refuses a name it lacks."""
-  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
-  manager = TaskManager(include_path=include_path)
-  unknown = [task for task in tasks if not manager.match_tasks([task])]
-  if unknown:
-    raise ValueError(f"--tasks {', '.join(unknown)}: not among lm-evaluation-harness's tasks"
-                     f"{' or those under ' + include_path if include_path else ''}; give a task name it lists "
-                     "(lm-eval ls tasks) or a folder of task files as --include_path.")
-  return manager
-
-
-def evaluate(model, tasks: list, manager, limit: int | None = None) -> dict:
-  """The harness's results for `tasks` on an lm_eval model, with each document's requests and answers."""
-  import lm_eval  # pylint: disable=import-outside-toplevel
-  try:
-    return lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit, log_samples=True)
-  except FileNotFoundError as error:  # the datasets library's, as the tasks are built, before a request is scored
-    raise ValueError(f"the data of --tasks {','.join(tasks)} cannot be found ({error}); put it where the task's "
-                     "YAML says (dataset_path, dataset_kwargs) or correct the YAML.") from None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -68,6 +43,7 @@ def main(argv):
   # Imported after flag parsing, like train.py: jax reads its flags when first imported.
   from input_pipeline import data  # pylint: disable=import-outside-toplevel
   from interop.harness import MeshlmLM, from_hf, split_perplexity  # pylint: disable=import-outside-toplevel
+  from interop.harness_tasks import evaluate, task_manager  # pylint: disable=import-outside-toplevel
   from parallel.mesh import mesh_sizes  # pylint: disable=import-outside-toplevel
   from training.sample import from_checkpoint  # pylint: disable=import-outside-toplevel
   from training.step import make_eval_step  # pylint: disable=import-outside-toplevel

@@ -1,0 +1,55 @@
+"""A meshlm checkpoint's parameters written as a Hugging Face directory that transformers' `from_pretrained`
+loads, with the run's Hugging Face tokenizer files beside them (tools/export.py is its command line)."""
+
+from pathlib import Path
+
+import jax
+
+from configs.base import base
+from input_pipeline.token_files import read_meta
+from input_pipeline.tokenizer import HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name
+from interop import hf_checkpoint
+from parallel.mesh import AXES
+from training.checkpoint import Checkpoints
+from training.state import param_count, plan
+
+
+def export(workdir: str, output: str, step: int | None = None, dtype: str = "float32") -> str:
+  """Export `step` (default: the newest) of `workdir`'s checkpoints to `output`; returns what was written."""
+  hf_checkpoint.check_new_directory(output)
+  checkpoints = Checkpoints(workdir, every=0, keep=None)
+  try:
+    steps = checkpoints.steps()
+    if not steps:
+      raise ValueError(f"{checkpoints.directory} holds no checkpoint; train with "
+                       f"--config.workdir={workdir} first.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise ValueError(f"{checkpoints.directory} holds no step {step} (it holds {steps}).")
+    config = base()
+    config.update(checkpoints.stored_config(step))
+    for axis in AXES:  # the parameters only need to fit one host
+      config.mesh[axis] = 1
+    layout = plan(config, jax.devices("cpu")[:1])
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            layout.abstract_state["params"], layout.param_shardings)
+    params = jax.device_get(checkpoints.restore_params(step, abstract))
+  finally:
+    checkpoints.close()
+  folder = tokenizer_folder(config)
+  beside = tuple(path for path in (folder / name for name in HfTokenizer.FILES) if path.is_file()) if folder else ()
+  target = hf_checkpoint.write(output, layout.model, params, beside, dtype)
+  return (f"exported step {step} of {workdir} ({layout.model.family}, {param_count(layout):,} parameters) "
+          f"to {target}")
+
+
+def tokenizer_folder(config) -> Path | None:
+  """The folder of the Hugging Face tokenizer the run's text went through, if it went through one.
+
+  Chosen as the run chose it (run_tokenizer_name), from the token data's meta.json rather than the
+  token files, which an export may no longer have; only a Hugging Face tokenizer is loaded.
+  """
+  tokens = config.data.source == "tokens"
+  data_tokenizer = read_meta(Path(config.data.path).expanduser())["tokenizer"] if tokens else "byte"
+  name = run_tokenizer_name(config.init_from, data_tokenizer)
+  return load_tokenizer(name).folder if name.startswith(HF_SCHEME) else None
