@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 
 import jax
 
@@ -111,3 +112,10 @@ def _settings(config) -> dict:
       else:
         yield f"{prefix}{key}", value
   return {field: value for field, value in flat(config.to_dict(), "") if not field.startswith("distributed.")}
+
+
+def free_port() -> int:
+  """A loopback port no one listens on now: for the coordinator of processes started on this machine."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]

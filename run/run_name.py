@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 DEFAULT_CONFIG = "configs/gpt2.py:tiny"  # train.py's --config when none is given
+ROOT = Path(__file__).resolve().parent.parent  # train.py's folder, where tools/launch.py starts its processes
 
 # Fields that change how a run is watched, saved or spread over processes, not what it trains: the same
 # run resumed with another cadence of logs or saves, under survive mode, or on every process of a
@@ -25,6 +26,12 @@ def default_workdir(argv: list[str]) -> str:
   if defining:
     name += "-" + hashlib.sha256("\n".join(defining).encode()).hexdigest()[:8]
   return os.path.join("runs", name)
+
+
+def workdir_of(command: list[str]) -> Path:
+  """The workdir train.py (`command[0]`) writes to, run from the repository's root as launched processes are."""
+  given = [arg.split("=", 1)[1] for arg in command if arg.startswith("--config.workdir=")]
+  return (ROOT / (given[-1] if given else default_workdir(command[1:]))).resolve()
 
 
 def _config_flags(argv: list[str]) -> tuple[str, dict[str, str]]:

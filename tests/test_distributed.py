@@ -10,9 +10,8 @@ import pytest
 from ml_collections import ConfigDict
 
 from helpers import ROOT, read_metrics, tiny_config
-from parallel.distributed import wants_distributed
+from parallel.distributed import free_port, wants_distributed
 from run.loop import train
-from tools.launch import free_port
 from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, plan
 

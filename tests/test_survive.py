@@ -13,12 +13,12 @@ import pytest
 
 from helpers import ROOT, tiny_config
 from input_pipeline import data
+from parallel.distributed import free_port
 from resilience import survive
 from resilience.redundancy import survival_problem
 from resilience.state_transfer import local_move_suffices, move_state, relocate, share_state
 from resilience.survive import Survivor, shrunk_config, spread
 from resilience.survive_events import ProcessesRejoined
-from tools.launch import free_port
 from training.state import abstract_inputs, init_state, plan
 
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them

@@ -13,8 +13,8 @@ import pytest
 from helpers import ROOT, assert_params_close, assert_tree_close, run_layout, tiny_config
 from measure import analysis, estimate, tiers
 from measure.dry_run import busy_slots, compile_partitioned_train_step, model_weights
+from parallel.distributed import free_port
 from parallel.mesh import make_mesh, slow_tier_groups, slow_tier_shape
-from tools.launch import free_port
 from training.state import plan
 
 

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from helpers import ROOT, read_metrics
-from run.run_name import default_workdir
-from tools.launch import workdir_of
+from run.run_name import default_workdir, workdir_of
 
 
 def run_train(*flags, devices=8):

@@ -22,15 +22,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from run.run_name import default_workdir
-
-ROOT = Path(__file__).resolve().parent.parent
+from parallel.distributed import free_port
+from run.run_name import ROOT, workdir_of
 
 
 def parse_args(argv):
@@ -73,18 +71,6 @@ def parse_kill(text: str, processes: int, parser) -> tuple[int, int, float]:
     parser.error(f"--kill {text!r}: process {process} cannot be killed; pick 1..{processes - 1} "
                  "(process 0 hosts the coordination service, and the run dies with it)")
   return process, step, float(match[3] or 0)
-
-
-def workdir_of(command: list[str]) -> Path:
-  """The workdir train.py (`command[0]`) writes to, run from the repository's root as the processes are."""
-  given = [arg.split("=", 1)[1] for arg in command if arg.startswith("--config.workdir=")]
-  return (ROOT / (given[-1] if given else default_workdir(command[1:]))).resolve()
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def start(args, logs: Path) -> list[subprocess.Popen]:
