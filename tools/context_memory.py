@@ -10,19 +10,15 @@ measure/estimate.py's figure for the same run, compiled / estimate.
 """
 
 import sys
-from pathlib import Path
 
-# `python tools/context_memory.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+from absl import app, flags
+from ml_collections import config_flags
 
-import jax  # pylint: disable=wrong-import-position
-from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_flags  # pylint: disable=wrong-import-position
-
-from measure import analysis, estimate  # pylint: disable=wrong-import-position
-from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
-from training.state import plan  # pylint: disable=wrong-import-position
-from training.step import compile_train_step  # pylint: disable=wrong-import-position
+from measure import analysis, estimate
+from measure.dry_run import model_weights
+from training.state import plan
+from training.step import compile_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama.py:long", "Model and run config.")
 _LENGTHS = flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Context lengths.")

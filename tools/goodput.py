@@ -16,13 +16,9 @@ default comes from; pass your run's measured costs in their place.
 import argparse
 import math
 import sys
-from pathlib import Path
 
-# `python tools/goodput.py` puts tools/ on sys.path, not the repo root that holds measure/.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from measure import goodput  # pylint: disable=wrong-import-position
-from measure import goodput_simulation as sim  # pylint: disable=wrong-import-position
+from measure import goodput
+from measure import goodput_simulation as sim
 
 ASSUMED = "assumed, not measured in meshlm"
 

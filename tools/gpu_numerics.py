@@ -11,17 +11,13 @@ forward and backward over 20 runs after a warm-up. bf16 operands land between
 """
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-
-from model import fp8  # pylint: disable=wrong-import-position
-from model.attention import blockwise_attention  # pylint: disable=wrong-import-position
+from model import fp8
+from model.attention import blockwise_attention
 
 
 def relative_error(fast, ref) -> float:

@@ -17,10 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `python tools/peer_copy_cost.py` puts tools/ on sys.path, not the root
+from measure import goodput
 
-from measure import goodput  # pylint: disable=wrong-import-position
+ROOT = Path(__file__).resolve().parent.parent
 
 JOB = ["--config.mesh.data=8", "--config.sharding.zero=3", "--config.fault_tolerance=survive",
        "--config.batch_size=16", "--config.eval_every=0", "--config.sample_tokens=0", "--config.checkpoint.every=0",

@@ -26,13 +26,9 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
-# `python tools/trace_top.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from absl import app, flags  # pylint: disable=wrong-import-position
+from absl import app, flags
 
 _TRACE = flags.DEFINE_string("trace", None, "A profile folder (its newest *.xplane.pb is read), or a torch.profiler "
                              "chrome trace (*.json, *.json.gz).", required=True)
