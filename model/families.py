@@ -14,6 +14,8 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+  """One family's registry entry: its model class and the traits the rest of the tree reads."""
+
   model: str  # "file.Class": the LanguageModel class in model/<file>.py that builds the family
   norm_eps: float  # the published normalisation epsilon
   activation: str  # the feed-forward activation, a name in model/layers.py ACTIVATIONS
