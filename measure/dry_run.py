@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from measure import analysis, estimate, saved_for_backward, tiers
 from model.hidden import matrix_sides
 from parallel import schedules
+from parallel.costs import Weight
 from parallel.mesh import PIPELINE, TENSOR, slow_tier_shape
 from training.state import Layout, abstract_inputs, build_model, model_config, param_count
 from training.step import make_train_step
@@ -30,16 +31,16 @@ def busy_slots(config, mesh: dict) -> dict[int, int]:
     return {}
   p = config.pipeline
   return schedules.busy_slots(p.schedule, stages=mesh[PIPELINE], micro=p.microbatches,
-                              virtual=p.virtual_stages if p.schedule == "interleaved" else 1)
+                              virtual=schedules.virtual_stages(p))
 
 
-def model_weights(config) -> list[estimate.Weight]:
-  """Every weight's shape and logical axes, from the model's abstract (no arrays, no mesh)."""
+def model_weights(config) -> list[Weight]:
+  """Every weight's shape, logical axes and tree path, from the model's abstract (no arrays, no mesh)."""
   with nnx.use_eager_sharding(False):
     params = nnx.state(nnx.eval_shape(lambda: build_model(model_config(config), config.seed)), nnx.Param)
   is_spec = lambda x: isinstance(x, P)
   specs = jax.tree.leaves(nnx.to_pure_dict(nnx.get_partition_spec(params)), is_leaf=is_spec)
-  return [estimate.Weight(tuple(x.shape), tuple(s), matrix_sides(path, tuple(s)))
+  return [Weight(tuple(x.shape), tuple(s), matrix_sides(path, tuple(s)), tuple(k.key for k in path))
           for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)), specs, strict=True)]
 
 

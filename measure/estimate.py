@@ -37,67 +37,12 @@ from model import moe
 from model.attention import largest_divisor
 from model.config import FAMILIES, ModelConfig, VOCAB_MULTIPLE
 from model.transformer import chunk_count, chunk_positions, scan_blocks
-from parallel import rules, schedules
-from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
-from training import muon
+from parallel import context, experts, rules, schedules
+from parallel.costs import (F32_BYTES, INT32_BYTES, MASTER_BYTES, Dims, Weight, all_reduce, axes_key, gather,
+                            shard_elements, sharded_over)
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from training import optimizer
 from training.state import build_model, model_config
-
-# Moments per weight: Muon keeps one (its momentum) for the matrices it trains and AdamW's two for the rest.
-# Schedule-free AdamW keeps z (a copy of the weights) and Adam's v.
-ADAM_MOMENTS = {"adamw": 2, "adam": 2, "adam_l2": 2, "momentum": 1, "sgd": 0, "muon": 2, "schedule_free_adamw": 2}
-F32_BYTES = np.dtype(np.float32).itemsize
-INT32_BYTES = np.dtype(np.int32).itemsize
-MASTER_BYTES = F32_BYTES  # master weights and their gradients are float32 whatever the compute dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Weight:
-  shape: tuple[int, ...]
-  axes: tuple  # logical names, None where unnamed
-  sides: tuple | None = None  # Muon's (input axes, output axes) where it trains this weight (training/muon.py)
-
-  @property
-  def stacked(self) -> bool:
-    return "layers" in self.axes
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-  """The per-device sizes a step works on: tokens of one micro-batch, heads and widths per shard."""
-  mesh: dict
-  batch: int  # sequences per device in one micro-batch (grad_accum and pipeline split the batch)
-  length: int  # tokens per sequence on this device (sequence sharding splits it)
-  full_length: int
-  embed: int
-  mlp: int  # per tensor shard, likewise heads, kv_heads and vocab
-  heads: int
-  kv_heads: int
-  head_dim: int
-  vocab: int
-  compute_bytes: int
-  context: str
-  attention_block: int  # model.attention_block: the longest query or key run scored at once
-  loss_positions: int  # positions of the local sequence in one chunk of the head and loss (model.loss_chunk)
-  mlp_chunks: int  # chunks of positions a dense MLP runs in (model.mlp_chunk; 1: the whole sequence)
-
-  @property
-  def keys(self) -> int:
-    """Keys each query scores: the whole sequence, except the ring's one block at a time."""
-    return self.length if self.context == "ring" else self.full_length
-
-  @property
-  def blockwise(self) -> bool:
-    """Whether attention keeps no scores for its backward pass, only its output and log-sum-exp: longer
-    than one block (model/attention.py), or the ring, whose backward pass is its own (parallel/context.py)."""
-    return self.context == "ring" or max(self.length, self.keys) > self.attention_block
-
-  @property
-  def tokens(self) -> int:
-    return self.batch * self.length
-
-  def activation_bytes(self, width: int) -> int:
-    """One [batch, length, width] activation in the compute dtype."""
-    return self.tokens * width * self.compute_bytes
 
 
 def dims(config, mesh: dict) -> Dims:
@@ -105,59 +50,48 @@ def dims(config, mesh: dict) -> Dims:
   micro = schedules.micro_batches(config, mesh[PIPELINE])
   padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   batch = config.batch_size // micro // (mesh[DATA] * mesh[EXPERT])
-  return Dims(mesh=mesh, batch=batch,
-              length=m.max_len // mesh[SEQUENCE], full_length=m.max_len, embed=m.embed_dim,
+  strategy, length = config.attention.context if mesh[SEQUENCE] > 1 else "none", m.max_len // mesh[SEQUENCE]
+  # Each query scores the whole sequence, except where the keys visit a block at a time; then attention
+  # keeps no scores for its backward pass, as it does past one block (model/attention.py).
+  keys = length if context.visiting(strategy) else m.max_len
+  return Dims(mesh=mesh, batch=batch, length=length, full_length=m.max_len, keys=keys,
+              blockwise=context.visiting(strategy) or max(length, keys) > m.attention_block, embed=m.embed_dim,
               mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
               kv_heads=(m.kv_heads or m.num_heads) // tensor,
               head_dim=getattr(m, "head_width", 0) or m.embed_dim // m.num_heads,
               vocab=padded_vocab // tensor, compute_bytes=_compute_bytes(config),
-              context=config.attention.context if mesh[SEQUENCE] > 1 else "none",
+              context=strategy,
               attention_block=m.attention_block,
               loss_positions=m.max_len // mesh[SEQUENCE] // chunk_count(
                   m.max_len, chunk_positions(m.loss_chunk, batch, mesh[SEQUENCE])),
               mlp_chunks=chunk_count(m.max_len, chunk_positions(m.mlp_chunk, batch, mesh[SEQUENCE])) if m.mlp_chunk else 1)
 
 
-def shard_elements(weight: Weight, mesh: dict, table) -> int:
-  """Elements of one weight on one device when laid out by a rules table."""
-  return _shard_elements(weight, tuple(mesh.items()), table)
-
-
-def sharded_over(weight: Weight, mesh: dict, table) -> set[str]:
-  return _sharded_over(weight, tuple(mesh.items()), table)
-
-
-# Cached: the layout planner asks the same weights on the same meshes thousands of times.
-@functools.cache
-def _shard_elements(weight: Weight, mesh_items: tuple, table) -> int:
-  mesh, spec = dict(mesh_items), rules.spec(weight.axes, table)
-  size = 1
-  for dim, entry in zip(weight.shape, tuple(spec) + (None,) * len(weight.shape)):
-    size *= -(-dim // math.prod(mesh[a] for a in rules.entry_axes(entry)))
-  return size
-
-
-@functools.cache
-def _sharded_over(weight: Weight, mesh_items: tuple, table) -> frozenset[str]:
-  mesh = dict(mesh_items)
-  return frozenset(a for e in rules.spec(weight.axes, table) for a in rules.entry_axes(e) if mesh[a] > 1)
-
-
 def memory(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
   zero, axis, d = config.sharding.zero, rules.fsdp_axis(config.sharding), dims(config, mesh)
   params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
-  if config.optimizer.name not in ADAM_MOMENTS:
-    raise ValueError(f"optimizer.name={config.optimizer.name!r} has no memory estimate.")
-  per_weight = lambda w: 1 if config.optimizer.name == "muon" and w.sides else ADAM_MOMENTS[config.optimizer.name]
-  moments = (sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * per_weight(w) for w in weights)
-             * np.dtype(config.precision.moments).itemsize)
+  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * state
+                for w, state in zip(weights, optimizer_state_bytes(config, weights)))
   local_batch = config.batch_size // (mesh[DATA] * mesh[EXPERT])
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
   return {"params": params, "grads": params * (2 if config.grad_accum > 1 else 1),
           "opt_state": moments,
           "batch": 2 * local_batch * d.length * INT32_BYTES,
           "activations": activations(config, d, weights)}
+
+
+# The planner asks the same optimizer of the same weights on thousands of layouts.
+_STATE_BYTES = {}
+
+
+def optimizer_state_bytes(config, weights: list[Weight]) -> list[int]:
+  """training/optimizer.py `state_bytes`: what the optimizer keeps per element of each weight, read off its
+  abstract state once per optimizer, moments' dtype and model."""
+  key = (config.optimizer.name, config.precision.moments, tuple(weights))
+  if key not in _STATE_BYTES:
+    _STATE_BYTES[key] = optimizer.state_bytes(config, weights)
+  return _STATE_BYTES[key]
 
 
 def saved_per_layer(config, mesh: dict) -> dict[str, int]:
@@ -327,11 +261,8 @@ def _held_layers(config, mesh: dict) -> tuple[int, int]:
   layers, stages = config.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
   if stages == 1:
     return 1, layers
-  micro = config.pipeline.microbatches
-  if config.pipeline.schedule == "1f1b":
-    return schedules.stash_slots(stages=stages, micro=micro), layers
-  virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
-  return schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro), layers // virtual
+  p, virtual = config.pipeline, schedules.virtual_stages(config.pipeline)
+  return schedules.SCHEDULES[p.schedule].held(stages=stages, micro=p.microbatches, virtual=virtual), layers // virtual
 
 
 def host_memory(config, mesh: dict) -> int:
@@ -379,23 +310,15 @@ def activations(config, d: Dims, weights: list[Weight]) -> int:
     # One block pair's float32 scores, probabilities and their two gradients, and the keys' and values'
     # float32 gradients, which the backward pass accumulates over every query block.
     attention += 4 * d.batch * blocks * d.heads * f32 + 2 * kv * f32
-  if d.context == "allgather":
-    # The whole sequence's keys and values as gathered, in the compute dtype; below float32 also as the
-    # blocks the attention scans and as their gradients cast back for the reduce-scatter (in float32 the
-    # scan reads the gathered buffer itself, and the gradients are the float32 ones above).
-    gathered, scanned, cast_back = 1, int(d.compute_bytes < f32), int(d.compute_bytes < f32)
-    attention += (gathered + scanned + cast_back) * 2 * kv * d.compute_bytes
-  if d.context == "ring":
-    # The ring's backward pass: the visiting K/V block and its float32 gradients, each as sent and as
-    # received, and the query gradient's running sum beside this hop's share.
-    attention += d.tokens * (4 * d.kv_heads * d.head_dim * (d.compute_bytes + f32) + 2 * d.heads * d.head_dim * f32)
+  if d.context in context.STRATEGIES:
+    attention += context.STRATEGIES[d.context].held(d)
   working = max(mlp, attention)
   layer, (copies, held) = _layer(config, d, config.model.remat), _held_layers(config, mesh)
   saved = layer.saved_bytes(d)
   if mesh[PIPELINE] == 1:
     return held * saved + max(working, loss)
   stages, micro = mesh[PIPELINE], config.pipeline.microbatches
-  if config.pipeline.schedule == "1f1b":
+  if schedules.SCHEDULES[config.pipeline.schedule].stashes:
     # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
     tokens = d.batch * d.length // stages
     chunk = tokens // chunk_count(tokens, chunk_positions(config.model.loss_chunk, d.batch, 1))
@@ -420,19 +343,6 @@ def _stage_weight_bytes(config, mesh, weights) -> int:
       MASTER_BYTES
 
 
-def _axes_key(axes) -> str:
-  return "+".join(a for a in AXES if a in axes) or "-"
-
-
-def _all_reduce(n: int, d: int) -> int:
-  return 2 * n * (d - 1) // d
-
-
-def _gather(n: int, d: int) -> int:
-  """All-gather or reduce-scatter of a buffer whose full size is n."""
-  return n * (d - 1) // d
-
-
 def collectives(config, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str], int]:
   """Ring bytes one device sends per step, by (kind, axes)."""
   traffic = collections.Counter()
@@ -447,10 +357,10 @@ def collectives_by_source(config, mesh: dict, weights: list[Weight]) -> dict[str
   out = {}
   for source, count in (("gradients", lambda t: _gradients(config, mesh, weights, t)),
                         ("tensor", lambda t: _tensor_parallel(config, mesh, t)),
-                        ("pipeline", lambda t: _pipeline(config, mesh, weights, t)),
+                        ("pipeline", lambda t: _pipeline(config, mesh, t)),
                         ("context", lambda t: _context(config, mesh, t)),
                         ("experts", lambda t: _experts(config, mesh, t)),
-                        ("optimizer", lambda t: _muon(config, mesh, weights, t))):
+                        ("optimizer", lambda t: t.update(_optimizer(config).sent(*_optimizer_costs(config, mesh, weights))))):
     traffic = collections.Counter()
     count(traffic)
     out[source] = {key: value for key, value in traffic.items() if value}
@@ -493,72 +403,32 @@ def _gradients(config, mesh, weights, traffic):
                 | ({PIPELINE} if pipelined and not w.stacked else set()))
     grad = used
     if scatter:
-      traffic[("reduce-scatter", axis)] += accum * uses * _gather(used, mesh[axis])
+      traffic[("reduce-scatter", axis)] += accum * uses * gather(used, mesh[axis])
       grad //= mesh[axis]
     if replicas:
       group = math.prod(mesh[a] for a in replicas)
-      traffic[("all-reduce", _axes_key(replicas))] += accum * uses * _all_reduce(grad, group)
+      traffic[("all-reduce", axes_key(replicas))] += accum * uses * all_reduce(grad, group)
     if scatter and zero == 1:
-      # Schedule-free's gradient point y = b1 x + (1 - b1) z needs its base sequence z, kept on the moments'
-      # shards, gathered as well (training/step.py).
-      gathers = 2 if config.optimizer.name == "schedule_free_adamw" else 1
-      traffic[("all-gather", axis)] += gathers * _gather(used, mesh[axis])
+      # The updated weights, and what else the optimizer gathers beside them (training/optimizer.py).
+      gathers = _optimizer(config).gathered
+      traffic[("all-gather", axis)] += gathers * gather(used, mesh[axis])
     if fsdp:
       gathered = used // param_bytes * _gathered_bytes(config, w, weights)
-      traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * _gather(gathered, mesh[axis])
+      traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * gather(gathered, mesh[axis])
 
 
-def _muon_matrices(config, mesh, weights) -> tuple[dict, list]:
-  """How Muon orthogonalises each matrix weight whole (training/muon.py): {Deal: matrices per device's stack}
-  for round robin's deals, and (weight, the mesh axes its momentum is gathered over) for the rest. Nothing
-  where the partitioner splits the iteration."""
-  if config.optimizer.name != "muon" or config.optimizer.muon_iteration == "partitioned":
-    return {}, []
-  moments = rules.optimizer_rules(config.sharding.zero, rules.fsdp_axis(config.sharding))
-  entries = [(w, (w.shape, tuple(rules.spec(w.axes, moments)) + (None,) * len(w.shape), muon.Matrix(*w.sides)))
-             for w in weights if w.sides]
-  if config.optimizer.muon_iteration == "round_robin":
-    found = muon.deals([entry for _, entry in entries], mesh)
-  else:
-    found = [None] * len(entries)
-  dealt, gathered = collections.Counter(), []
-  for (w, entry), deal in zip(entries, found):
-    if deal:
-      dealt[deal] += muon.matrix_count(*entry, mesh)
-    else:
-      gathered.append((w, sharded_over(w, mesh, moments) - sharded_over(w, mesh, muon.GATHERED_RULES)))
-  return dealt, gathered
+def _optimizer(config) -> optimizer.Optimizer:
+  return optimizer.OPTIMIZERS[config.optimizer.name]
 
 
-def _muon(config, mesh, weights, traffic):
-  """Muon (training/muon.py), the float32 momentum of each matrix its group splits, once per step. Dealt:
-  each deal's stack, padded to a multiple of the group, crosses one all-to-all per splitting axis and one
-  back. Gathered: all-gathered over the axes that split it, and the update sliced, not sent."""
-  dealt, gathered = _muon_matrices(config, mesh, weights)
-  for deal, count in dealt.items():
-    devices = deal.devices(mesh)
-    stack = -(-count // devices) * math.prod(deal.shape) * devices * F32_BYTES  # a device's padded stack
-    for axis, _ in deal.splits:
-      traffic[("all-to-all", axis)] += 2 * _gather(stack, mesh[axis])
-  for w, axes in gathered:
-    if axes:
-      whole = shard_elements(w, mesh, muon.GATHERED_RULES) * F32_BYTES
-      traffic[("all-gather", _axes_key(axes))] += _gather(whole, math.prod(mesh[a] for a in axes))
+def _optimizer_costs(config, mesh, weights) -> tuple:
+  """The arguments of the optimizer's costs (training/optimizer.py Optimizer)."""
+  return config.optimizer, rules.optimizer_rules(config.sharding.zero, rules.fsdp_axis(config.sharding)), mesh, weights
 
 
-def newton_schulz_flops(config, mesh, weights) -> int:
-  """Muon's matmul FLOPs per device per step: ceil(count / devices) matrices of each deal, every matrix the
-  device gathered. Per step of the quintic on an m x n matrix (m <= n): X X^T and (bA + cA^2) X, 2m^2 n
-  each, and A^2, 2m^3."""
-  quintic = lambda m, n: config.optimizer.muon_steps * (4 * m * m * n + 2 * m ** 3)
-  dealt, gathered = _muon_matrices(config, mesh, weights)
-  total = 0
-  for deal, count in dealt.items():
-    total += -(-count // deal.devices(mesh)) * quintic(*sorted(deal.whole(mesh)))
-  for w, _ in gathered:
-    m, n = sorted(math.prod(w.shape[i] for i in side) for side in w.sides)
-    total += shard_elements(w, mesh, muon.GATHERED_RULES) // (m * n) * quintic(m, n)
-  return total
+def optimizer_flops(config, mesh, weights) -> int:
+  """The update's matmul FLOPs per device per step (Muon's Newton-Schulz iterations)."""
+  return _optimizer(config).flops(*_optimizer_costs(config, mesh, weights))
 
 
 def _gathered_bytes(config, w: Weight, weights: list[Weight]) -> int:
@@ -580,10 +450,10 @@ def layer_passes(config, mesh) -> tuple[int, int]:
   # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond), except under ring
   # attention, whose hops every device runs together: there a stage computes on every tick of its slots.
   forward = schedules.micro_batches(config, mesh[PIPELINE])
-  if mesh[PIPELINE] > 1 and mesh[SEQUENCE] > 1 and config.attention.context == "ring":
+  if mesh[PIPELINE] > 1 and mesh[SEQUENCE] > 1 and context.visiting(config.attention.context):
     p = config.pipeline
     ((ticks, busy),) = schedules.busy_slots(p.schedule, stages=mesh[PIPELINE], micro=p.microbatches,
-                                            virtual=p.virtual_stages if p.schedule == "interleaved" else 1).items()
+                                            virtual=schedules.virtual_stages(p)).items()
     forward = forward * ticks // busy
   backward = forward
   return forward * (2 if config.model.remat in ("full", "full_offload") else 1), backward
@@ -605,89 +475,56 @@ def _tensor_parallel(config, mesh, traffic):
   d, t = dims(config, mesh), mesh[TENSOR]
   forward, backward = layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]
-  tokens = _all_reduce(d.activation_bytes(d.embed), t)
+  tokens = all_reduce(d.activation_bytes(d.embed), t)
   per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
   if config.moe.experts:
     # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
     m = config.moe
     capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
-    slots = _all_reduce(m.experts * d.batch * capacity * d.embed * d.compute_bytes, t)
+    slots = all_reduce(m.experts * d.batch * capacity * d.embed * d.compute_bytes, t)
     per_stage += layers // m.every * (slots - tokens)
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(config, mesh[PIPELINE])
-  traffic[("all-reduce", TENSOR)] += (forward + backward) * per_stage + micro * _all_reduce(outside, t)
+  traffic[("all-reduce", TENSOR)] += (forward + backward) * per_stage + micro * all_reduce(outside, t)
 
 
-def _pipeline(config, mesh, weights, traffic):
-  """Stage-to-stage hand-offs of one micro-batch's activations, and the head's rows.
-
-  gpipe / interleaved: one permute per tick forward and its transpose
-  backward; an all-to-all scatters the last stage's outputs over the stages
-  for the head, and its transpose brings their gradients back. 1f1b: a
-  forward and a backward permute per tick, and per tick the all-to-all that
-  shares the finished micro-batch's head over the stages, and its transpose. (The gradients' reduction is
-  `_gradients`'.)
-  """
+def _pipeline(config, mesh, traffic):
+  """Stage-to-stage hand-offs of one micro-batch's activations, and the head's rows, as the schedule sends
+  them (parallel/schedules.py) for each accumulated micro-batch. (The gradients' reduction is `_gradients`'.)"""
   stages = mesh[PIPELINE]
   if stages == 1:
     return
-  d, micro, accum = dims(config, mesh), config.pipeline.microbatches, config.grad_accum
-  hop = d.activation_bytes(d.embed)
-  if config.pipeline.schedule == "1f1b":
-    ticks = schedules.one_f_one_b_ticks(stages=stages, micro=micro)
-    traffic[("all-to-all", PIPELINE)] += accum * 2 * ticks * _gather(hop, stages)
-  else:
-    virtual = config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1
-    ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
-    traffic[("all-to-all", PIPELINE)] += accum * 2 * _gather(micro * hop, stages)
-  traffic[("collective-permute", PIPELINE)] += accum * 2 * ticks * hop
+  d, p = dims(config, mesh), config.pipeline
+  sent = schedules.SCHEDULES[p.schedule].sent(d.activation_bytes(d.embed), stages=stages, micro=p.microbatches,
+                                             virtual=schedules.virtual_stages(p))
+  for key, value in sent.items():
+    traffic[key] += config.grad_accum * value
 
 
 def _context(config, mesh, traffic):
-  """Attention over a sharded `length`: per layer, forward and backward.
-
-  allgather: K and V gathered forward, their gradients reduce-scattered
-  backward. ring: S-1 hops of a K/V block (with its positions) forward, and
-  backward S-1 hops of the block with its float32 gradients and one more of
-  the gradients alone. ulysses: Q, K, V and the output each cross one
-  all-to-all forward and one backward.
-  """
+  """Attention over a sharded `length`: per layer, forward and backward, as its strategy sends it
+  (parallel/context.py)."""
   shards = mesh[SEQUENCE]
   if shards == 1:
     return
-  d, strategy = dims(config, mesh), config.attention.context
+  d = dims(config, mesh)
   forward, backward = layer_passes(config, mesh)
   layers = config.model.num_layers // mesh[PIPELINE]  # a pipeline stage's
-  kv = d.activation_bytes(d.kv_heads * d.head_dim)
-  q = d.activation_bytes(d.heads * d.head_dim)
-  if strategy == "allgather":
-    traffic[("all-gather", SEQUENCE)] += forward * layers * 2 * _gather(kv * shards, shards)
-    traffic[("reduce-scatter", SEQUENCE)] += backward * layers * 2 * _gather(kv * shards, shards)
-  elif strategy == "ring":
-    block = 2 * kv + d.length * INT32_BYTES
-    gradients = 2 * d.tokens * d.kv_heads * d.head_dim * F32_BYTES  # carried with the block
-    traffic[("collective-permute", SEQUENCE)] += layers * (
-        forward * (shards - 1) * block + backward * ((shards - 1) * (block + gradients) + gradients))
-  elif strategy == "ulysses":
-    traffic[("all-to-all", SEQUENCE)] += (forward + backward) * layers * _gather(2 * q + 2 * kv, shards)
-  else:
-    raise ValueError(f"attention.context={strategy!r} has no collective estimate.")
+  for key, (in_forward, in_backward) in context.STRATEGIES[config.attention.context].sent(d, shards).items():
+    traffic[key] += layers * (forward * in_forward + backward * in_backward)
   if mesh[PIPELINE] > 1 and config.moe.experts:
     # In a pipeline stage a MoE layer routes the whole sequence, gathered over `sequence` (parallel/context.py
     # whole_length), and its input's gradient is reduce-scattered back.
-    whole = layers // config.moe.every * _gather(d.activation_bytes(d.embed) * shards, shards)
+    whole = layers // config.moe.every * gather(d.activation_bytes(d.embed) * shards, shards)
     traffic[("all-gather", SEQUENCE)] += forward * whole
     traffic[("reduce-scatter", SEQUENCE)] += backward * whole
 
 
 def _experts(config, mesh, traffic):
-  """Expert parallelism (parallel/experts.py): per MoE layer, the tokens laid out per expert.
-
-  Each device's (E, batch, capacity, embed) slots, in the compute dtype,
-  cross one all-to-all over `expert` to their experts and one back, forward
-  and again backward; capacity per sequence as model/moe.py sizes it.
-  """
+  """Expert parallelism (parallel/experts.py): per MoE layer and pass, each device's (E, batch, capacity,
+  embed) slots, in the compute dtype, sent to their experts and back; capacity per sequence as model/moe.py
+  sizes it."""
   if mesh[EXPERT] == 1 or not config.moe.experts:
     return
   d, m = dims(config, mesh), config.moe
@@ -695,7 +532,8 @@ def _experts(config, mesh, traffic):
   layers = config.model.num_layers // m.every // mesh[PIPELINE]
   capacity = moe.slots(d.full_length, m.experts, m.top_k, m.capacity_factor, m.dropless)
   tokens = m.experts * d.batch * capacity * d.embed * d.compute_bytes
-  traffic[("all-to-all", EXPERT)] += (forward + backward) * layers * 2 * _gather(tokens, mesh[EXPERT])
+  for key, value in experts.sent(tokens, mesh[EXPERT]).items():
+    traffic[key] += (forward + backward) * layers * value
 
 
 def _is_matrix(w: Weight) -> bool:
@@ -724,8 +562,7 @@ def stage_forward(config, d: Dims, mesh, weights) -> dict[str, int]:
   matrices = lambda keep: sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
                               if w.stacked and _is_matrix(w) and keep(w))
   attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * layers
-  if d.context == "ring":  # its own block whole, and half of each of the S - 1 visitors (the rest is masked)
-    attention = attention * (mesh[SEQUENCE] + 1) // (2 * mesh[SEQUENCE])
+  attention = context.scored_flops(d.context, attention, mesh[SEQUENCE])
   parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),
            "mlp_in": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("embed", "mlp")),
            "mlp_out": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("mlp", "embed")),
@@ -780,12 +617,12 @@ def flops(config, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   parts = stage_forward(config, d, mesh, weights)
   forward = sum(v for k, v in parts.items() if k not in _PARTS_OF_DENSE)
   recompute = _recomputed(config, parts)
-  if d.context == "ring":  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does
+  if context.visiting(d.context):  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does
     recompute += parts["scores"]
   head_tokens = config.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in _head(config, weights))
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,
-         "optimizer": newton_schulz_flops(config, mesh, weights)}
+         "optimizer": optimizer_flops(config, mesh, weights)}
   return {**out, "total": sum(out.values())}
 
 

@@ -31,7 +31,7 @@ import math
 
 from measure import estimate, tiers
 from measure.hardware import Cluster
-from parallel import schedules
+from parallel import context, experts, schedules
 from parallel.mesh import PIPELINE, SEQUENCE
 
 # Seconds per hop of a ring step: NCCL's and XLA's collectives pay a few microseconds per step on
@@ -85,14 +85,13 @@ def calls(config, mesh: dict, source: str, kind: str) -> int:
   if source == "tensor":
     return 2 * per_pass
   if source == "context":
-    return per_pass * {"ring": mesh[SEQUENCE] - 1, "ulysses": 4}.get(config.attention.context, 2)
+    return per_pass * context.STRATEGIES[config.attention.context].calls(mesh[SEQUENCE])
   if source == "experts":
-    return 2 * per_pass // max(config.moe.every, 1)
+    return experts.CALLS * per_pass // max(config.moe.every, 1)
   if source == "pipeline":
     p = config.pipeline
-    ticks = (schedules.one_f_one_b_ticks(stages=mesh[PIPELINE], micro=p.microbatches) if p.schedule == "1f1b"
-             else schedules.circular_ticks(stages=mesh[PIPELINE], micro=p.microbatches,
-                                           virtual=p.virtual_stages if p.schedule == "interleaved" else 1))
+    ticks = schedules.SCHEDULES[p.schedule].ticks(stages=mesh[PIPELINE], micro=p.microbatches,
+                                                   virtual=schedules.virtual_stages(p))
     return 2 * ticks * config.grad_accum
   if source == "optimizer":  # Muon gathers each matrix's momentum once per step
     return layers
@@ -174,8 +173,7 @@ def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, ach
   bubble = 0.0
   if stages > 1:
     p = config.pipeline
-    virtual = p.virtual_stages if p.schedule == "interleaved" else 1
-    idle = schedules.bubble_over_total(stages=stages, micro=p.microbatches, virtual=virtual)
+    idle = schedules.bubble_over_total(stages=stages, micro=p.microbatches, virtual=schedules.virtual_stages(p))
     bubble = layers_seconds * idle / (1 - idle)
   compute = layers_seconds + flops["head"] / rate
   # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.

@@ -21,9 +21,14 @@ are exact whatever order the sequence is in.
 Packed documents: each token's segment id travels with its key wherever the
 key goes (gathered, round the ring in the visiting block, gathered whole for
 Ulysses' heads), so a query sees only keys of its own document on every strategy.
+
+STRATEGIES holds each strategy's body beside its costs (parallel/costs.py's
+terms), which measure/ composes: a strategy is added there, with its costs.
 """
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +36,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from model.attention import blockwise_attention, flash_gradients, merge_blocks
+from parallel.costs import F32_BYTES, INT32_BYTES, Dims, gather
 from parallel.mesh import SEQUENCE, TENSOR
 from parallel.rules import BATCH_AXES
 
-STRATEGIES = ("allgather", "ring", "ulysses")
 _ACTIVATION = P(BATCH_AXES, SEQUENCE)  # (batch, length, ...) as parallel/rules.py lays activations out
 
 
@@ -44,14 +49,40 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
   return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """A context strategy: its attention, and what it costs per layer on `shards` devices over `sequence`."""
+  body: Callable  # attention inside a map manual over `sequence` and the batch's axes
+  # {(kind, axis): (bytes one device sends in a layer's forward pass, in its backward pass)}
+  sent: Callable[[Dims, int], dict[tuple[str, str], tuple[int, int]]]
+  calls: Callable[[int], int]  # its collectives per layer and pass
+  held: Callable[[Dims], int]  # bytes a layer's backward pass holds beyond blockwise attention's own
+  # The keys visit a block at a time (the ring): a query scores one block at once, the backward pass is
+  # the strategy's own and recomputes each visitor's scores from the log-sum-exp, every device runs the
+  # hops together (a pipeline stage computes on every tick of its slots), and the sequence is laid out
+  # zig-zag so each visitor's fully masked half is skipped.
+  visiting: bool = False
+
+
 def token_order(strategy_name: str, length: int, shards: int) -> np.ndarray | None:
   """The order a strategy wants the sequence in (zig-zag for the ring), or None for token order."""
-  return zigzag_order(length, shards) if strategy_name == "ring" else None
+  return zigzag_order(length, shards) if visiting(strategy_name) else None
+
+
+def scored_flops(strategy_name: str, flops: int, shards: int) -> int:
+  """Of attention's FLOPs over the whole T x T, those a strategy runs: the zig-zag ring computes its own
+  block whole and half of each of the S - 1 visitors (the rest is masked)."""
+  return flops * (shards + 1) // (2 * shards) if visiting(strategy_name) else flops
+
+
+def visiting(strategy_name: str) -> bool:
+  """Whether the keys visit a block at a time ("none", one shard: no)."""
+  return strategy_name in STRATEGIES and STRATEGIES[strategy_name].visiting
 
 
 def strategy(name: str, mesh):
   """The attention function of context strategy `name` (model/placement.py `attention`)."""
-  return _attend(_BODIES[name], mesh, (*BATCH_AXES, SEQUENCE), _ACTIVATION, P(SEQUENCE))
+  return _attend(STRATEGIES[name].body, mesh, (*BATCH_AXES, SEQUENCE), _ACTIVATION, P(SEQUENCE))
 
 
 def in_map(name: str):
@@ -64,7 +95,7 @@ def in_map(name: str):
   over its parent's manual axis (its partial evaluation names a residual by that axis, which Shardy
   rejects: "parent bounding this axis as manual").
   """
-  return _BODIES[name]
+  return STRATEGIES[name].body
 
 
 def _attend(body, mesh, axes: tuple, rows: P, positions: P):
@@ -258,4 +289,48 @@ def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, wi
   return jax.lax.all_to_all(out_BTnH, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
 
 
-_BODIES = {"allgather": _allgather, "ring": _ring, "ulysses": _ulysses}
+def _kv_bytes(d: Dims) -> int:
+  """This shard's keys (or values) in the compute dtype."""
+  return d.activation_bytes(d.kv_heads * d.head_dim)
+
+
+def _allgather_sent(d: Dims, shards: int) -> dict:
+  """K and V gathered forward, their gradients reduce-scattered backward."""
+  both = 2 * gather(_kv_bytes(d) * shards, shards)
+  return {("all-gather", SEQUENCE): (both, 0), ("reduce-scatter", SEQUENCE): (0, both)}
+
+
+def _allgather_held(d: Dims) -> int:
+  """The whole sequence's keys and values as gathered, in the compute dtype; below float32 also as the
+  blocks the attention scans and as their gradients cast back for the reduce-scatter (in float32 the scan
+  reads the gathered buffer itself, and the gradients are blockwise attention's float32 ones)."""
+  narrow = int(d.compute_bytes < F32_BYTES)
+  return (1 + 2 * narrow) * 2 * d.batch * d.keys * d.kv_heads * d.head_dim * d.compute_bytes
+
+
+def _ring_sent(d: Dims, shards: int) -> dict:
+  """S-1 hops of a K/V block (with its positions) forward; backward, S-1 hops of the block with its
+  float32 gradients and one more of the gradients alone."""
+  block = 2 * _kv_bytes(d) + d.length * INT32_BYTES
+  gradients = 2 * d.tokens * d.kv_heads * d.head_dim * F32_BYTES
+  return {("collective-permute", SEQUENCE): ((shards - 1) * block, (shards - 1) * (block + gradients) + gradients)}
+
+
+def _ring_held(d: Dims) -> int:
+  """The visiting K/V block and its float32 gradients, each as sent and as received, and the query
+  gradient's running sum beside this hop's share."""
+  return d.tokens * (4 * d.kv_heads * d.head_dim * (d.compute_bytes + F32_BYTES) + 2 * d.heads * d.head_dim * F32_BYTES)
+
+
+def _ulysses_sent(d: Dims, shards: int) -> dict:
+  """Q, K, V and the output each cross one all-to-all forward and one backward."""
+  both = gather(2 * d.activation_bytes(d.heads * d.head_dim) + 2 * _kv_bytes(d), shards)
+  return {("all-to-all", SEQUENCE): (both, both)}
+
+
+STRATEGIES = {
+    "allgather": Strategy(_allgather, _allgather_sent, calls=lambda shards: 2, held=_allgather_held),
+    "ring": Strategy(_ring, _ring_sent, calls=lambda shards: shards - 1, held=_ring_held,
+                     visiting=True),
+    "ulysses": Strategy(_ulysses, _ulysses_sent, calls=lambda shards: 4, held=lambda d: 0),
+}

@@ -28,6 +28,7 @@ pipeline's map split over `expert`.
 import jax
 from jax.sharding import PartitionSpec as P
 
+from parallel.costs import gather
 from parallel.mesh import EXPERT
 from parallel.rules import BATCH_AXES
 
@@ -52,3 +53,12 @@ def exchange(experts, x_EBCD, local_weights):
   x_eBCD = jax.lax.all_to_all(x_EBCD, EXPERT, split_axis=0, concat_axis=1, tiled=True)
   y_eBCD = experts(x_eBCD, *local_weights)
   return jax.lax.all_to_all(y_eBCD, EXPERT, split_axis=1, concat_axis=0, tiled=True)
+
+
+CALLS = 2  # all-to-alls per MoE layer and pass: to the experts and back
+
+
+def sent(slot_bytes: int, experts: int) -> dict[tuple[str, str], int]:
+  """Bytes one device sends per MoE layer and pass over `experts` devices, `slot_bytes` its (E, batch,
+  capacity, embed) slots in the compute dtype: to their experts and back."""
+  return {("all-to-all", EXPERT): CALLS * gather(slot_bytes, experts)}

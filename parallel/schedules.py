@@ -14,17 +14,42 @@ tables printed are the schedule the code runs.
   most 2(P - 1 - p) + 1 micro-batches waiting for their backward pass. Forwards run
   on ticks 0 .. M+P-2 and backwards on ticks P-1 .. M+2P-3, so the run lasts
   (M + P - 1) forward and (M + P - 1) backward slot-times: GPipe's bubble.
+
+SCHEDULES holds each schedule's costs (parallel/costs.py's terms), which
+measure/ composes; parallel/pipeline.py runs them.
 """
 
+import dataclasses
 import functools
+from typing import Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from parallel.costs import gather
+from parallel.mesh import PIPELINE
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """What a pipeline schedule costs on `stages` stages running `micro` micro-batches (`virtual` chunks each)."""
+  ticks: Callable[..., int]  # (stages=, micro=, virtual=): ticks of its stage loop
+  held: Callable[..., int]  # (stages=, micro=, virtual=): micro-batches whose residuals a stage holds at once
+  # (hop: bytes of one micro-batch's activations, stages=, micro=, virtual=): {(kind, axis): bytes one device
+  # sends per accumulated micro-batch}, the stage hand-offs and the head's rows
+  sent: Callable[..., dict[tuple[str, str], int]]
+  # Each micro-batch's residuals wait in a stash between its forward and backward slots, and its head runs
+  # as it leaves the last stage (1f1b); otherwise autodiff through the tick loop keeps every tick's.
+  stashes: bool = False
+  virtual: bool = False  # reads pipeline.virtual_stages (interleaved); the others run one chunk per stage
 
 
 def micro_batches(config, stages: int) -> int:
   """How many micro-batches one step runs forward: grad_accum of them, each split again into the
   pipeline's micro-batches when the mesh has stages."""
   return config.grad_accum * (config.pipeline.microbatches if stages > 1 else 1)
+
+
+def virtual_stages(pipeline) -> int:
+  """The chunks each stage runs under `pipeline` (config.pipeline): virtual_stages where the schedule reads it."""
+  return pipeline.virtual_stages if SCHEDULES[pipeline.schedule].virtual else 1
 
 
 def circular_slot(tick, stage, *, stages: int, virtual: int, micro: int):
@@ -120,3 +145,31 @@ def bubble_over_ideal(*, stages: int, micro: int, virtual: int = 1) -> float:
   total, so their figure is above bubble_over_total's: 3/32 against 3/35 at P=4, M=32.
   """
   return (stages - 1) / (virtual * micro)
+
+
+def _circular_sent(hop: int, *, stages: int, micro: int, virtual: int) -> dict:
+  """One permute per tick forward and its transpose backward; an all-to-all scatters the last stage's
+  outputs over the stages for the head, and its transpose brings their gradients back."""
+  return {("all-to-all", PIPELINE): 2 * gather(micro * hop, stages),
+          ("collective-permute", PIPELINE): 2 * circular_ticks(stages=stages, virtual=virtual, micro=micro) * hop}
+
+
+def _one_f_one_b_sent(hop: int, *, stages: int, micro: int, virtual: int) -> dict:
+  """A forward and a backward permute per tick, and per tick the all-to-all that shares the finished
+  micro-batch's head over the stages, and its transpose."""
+  del virtual
+  ticks = one_f_one_b_ticks(stages=stages, micro=micro)
+  return {("all-to-all", PIPELINE): 2 * ticks * gather(hop, stages), ("collective-permute", PIPELINE): 2 * ticks * hop}
+
+
+def _circular_ticks(*, stages: int, micro: int, virtual: int) -> int:
+  return circular_ticks(stages=stages, virtual=virtual, micro=micro)
+
+
+SCHEDULES = {
+    "gpipe": Schedule(ticks=_circular_ticks, held=_circular_ticks, sent=_circular_sent),
+    "1f1b": Schedule(ticks=lambda *, stages, micro, virtual: one_f_one_b_ticks(stages=stages, micro=micro),
+                     held=lambda *, stages, micro, virtual: stash_slots(stages=stages, micro=micro),
+                     sent=_one_f_one_b_sent, stashes=True),
+    "interleaved": Schedule(ticks=_circular_ticks, held=_circular_ticks, sent=_circular_sent, virtual=True),
+}

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from model.hidden import matrix_sides
 from parallel import rules
+from parallel.costs import F32_BYTES, Weight, axes_key, gather, shard_elements, sharded_over
 from parallel.mesh import EXPERT, PIPELINE
 
 # Keller Jordan's quintic: its slope at zero is as steep as it can be while the singular values still land in
@@ -260,3 +261,54 @@ def muon(config, learning_rate, decays, described: dict) -> optax.GradientTransf
                           optax.scale_by_learning_rate(learning_rate)),
       "adamw": optax.adamw(learning_rate, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decays),
   }, labels)
+
+
+def _iterated(opt, moments, mesh: dict, weights: list[Weight]) -> tuple[dict, list]:
+  """How each matrix weight is orthogonalised whole under optimizer section `opt`, its moments laid out by
+  the rules table `moments`: {Deal: matrices per device's stack} for round robin's deals, and (weight, the
+  mesh axes its momentum is gathered over) for the rest. Nothing where the partitioner splits the iteration."""
+  if opt.muon_iteration == "partitioned":
+    return {}, []
+  entries = [(w, (w.shape, tuple(rules.spec(w.axes, moments)) + (None,) * len(w.shape), Matrix(*w.sides)))
+             for w in weights if w.sides]
+  found = deals([entry for _, entry in entries], mesh) if opt.muon_iteration == "round_robin" else [None] * len(entries)
+  dealt, gathered = collections.Counter(), []
+  for (w, entry), deal in zip(entries, found):
+    if deal:
+      dealt[deal] += matrix_count(*entry, mesh)
+    else:
+      gathered.append((w, sharded_over(w, mesh, moments) - sharded_over(w, mesh, GATHERED_RULES)))
+  return dealt, gathered
+
+
+def sent(opt, moments, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str], int]:
+  """Bytes one device sends per step: the float32 momentum of each matrix its group splits, once. Dealt:
+  each deal's stack, padded to a multiple of the group, crosses one all-to-all per splitting axis and one
+  back. Gathered: all-gathered over the axes that split it, and the update sliced, not sent."""
+  traffic = collections.Counter()
+  dealt, gathered = _iterated(opt, moments, mesh, weights)
+  for deal, count in dealt.items():
+    devices = deal.devices(mesh)
+    stack = -(-count // devices) * math.prod(deal.shape) * devices * F32_BYTES  # a device's padded stack
+    for axis, _ in deal.splits:
+      traffic[("all-to-all", axis)] += 2 * gather(stack, mesh[axis])
+  for w, axes in gathered:
+    if axes:
+      whole = shard_elements(w, mesh, GATHERED_RULES) * F32_BYTES
+      traffic[("all-gather", axes_key(axes))] += gather(whole, math.prod(mesh[a] for a in axes))
+  return dict(traffic)
+
+
+def newton_schulz_flops(opt, moments, mesh: dict, weights: list[Weight]) -> int:
+  """Matmul FLOPs per device per step: ceil(count / devices) matrices of each deal, every matrix the device
+  gathered. Per step of the quintic on an m x n matrix (m <= n): X X^T and (bA + cA^2) X, 2m^2 n each, and
+  A^2, 2m^3."""
+  quintic = lambda m, n: opt.muon_steps * (4 * m * m * n + 2 * m ** 3)
+  dealt, gathered = _iterated(opt, moments, mesh, weights)
+  total = 0
+  for deal, count in dealt.items():
+    total += -(-count // deal.devices(mesh)) * quintic(*sorted(deal.whole(mesh)))
+  for w, _ in gathered:
+    m, n = sorted(math.prod(w.shape[i] for i in side) for side in w.sides)
+    total += shard_elements(w, mesh, GATHERED_RULES) // (m * n) * quintic(m, n)
+  return total

@@ -1,13 +1,84 @@
-"""Optimizers and learning-rate schedules from `config.optimizer` and `config.schedule` (optax)."""
+"""Optimizers and learning-rate schedules from `config.optimizer` and `config.schedule` (optax).
+
+OPTIMIZERS holds each optimizer's update rule beside what it costs beyond the
+gradients' reduction (parallel/costs.py's terms), which measure/ composes; the
+size of its state is read off the rule itself (`state_bytes`).
+"""
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from model import mup
+from parallel.costs import Weight
 from training import muon, schedule_free
 
-OPTIMIZERS = ("adamw", "adam", "adam_l2", "sgd", "momentum", "muon", "schedule_free_adamw")
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """An update rule and its costs beside the gradients' reduction."""
+  # (config, learning rate, decay mask, params, logical, mesh, moment_rules) -> its optax transformation
+  rule: Callable[..., optax.GradientTransformation]
+  # (config.optimizer, the moments' rules table, mesh sizes, weights): {(kind, axes): bytes one device
+  # sends per step for the update itself}
+  sent: Callable[..., dict[tuple[str, str], int]]
+  flops: Callable[..., int]  # the same arguments: the update's matmul FLOPs per device per step
+  gathered: int = 1  # copies ZeRO-1 all-gathers after the update: the weights, and any it keeps beside them
+
+
+def _nothing_sent(opt, moments, mesh: dict, weights: list[Weight]) -> dict:
+  return {}
+
+
+def _no_flops(opt, moments, mesh: dict, weights: list[Weight]) -> int:
+  return 0
+
+
+def _muon(config, lr, mask, params, logical, mesh, moment_rules):
+  described = muon.matrices(params, logical, mesh, moment_rules, config.optimizer.muon_iteration)
+  return muon.muon(config, lr, lambda p: decay_mask(p, config), described)
+
+
+def _schedule_free_adamw(config, lr, mask, params, logical, mesh, moment_rules):
+  if config.schedule.decay != "constant":
+    raise ValueError(f"optimizer.name='schedule_free_adamw' averages its iterates in place of a decay; set "
+                     f"schedule.decay=constant (warmup, then the peak rate), not {config.schedule.decay!r}.")
+  if config.precision.moments != "float32":
+    raise ValueError(f"precision.moments={config.precision.moments!r}: schedule-free's state holds z, a copy of "
+                     "the weights, which would be rounded; keep precision.moments=float32.")
+  opt = config.optimizer
+  return schedule_free.schedule_free_adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask)
+
+
+def _adamw(config, lr, mask, *_):
+  # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
+  opt = config.optimizer
+  return optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
+
+
+def _adam_l2(config, lr, mask, *_):
+  # L2 in the loss: the decay term is added to the gradient before Adam rescales it.
+  opt = config.optimizer
+  return optax.chain(optax.add_decayed_weights(opt.weight_decay, mask), optax.adam(lr, opt.b1, opt.b2, opt.eps))
+
+
+OPTIMIZERS = {
+    "adamw": Optimizer(_adamw, _nothing_sent, _no_flops),
+    "adam": Optimizer(lambda config, lr, *_: optax.adam(lr, config.optimizer.b1, config.optimizer.b2,
+                                                        config.optimizer.eps), _nothing_sent, _no_flops),
+    "adam_l2": Optimizer(_adam_l2, _nothing_sent, _no_flops),
+    "sgd": Optimizer(lambda config, lr, *_: optax.sgd(lr), _nothing_sent, _no_flops),
+    "momentum": Optimizer(lambda config, lr, *_: optax.sgd(lr, momentum=config.optimizer.momentum),
+                          _nothing_sent, _no_flops),
+    "muon": Optimizer(_muon, muon.sent, muon.newton_schulz_flops),
+    # Schedule-free's gradient point y = b1 x + (1 - b1) z needs its base sequence z, kept on the moments'
+    # shards, gathered beside the weights (training/step.py).
+    "schedule_free_adamw": Optimizer(_schedule_free_adamw, _nothing_sent, _no_flops, gathered=2),
+}
 MUP_OPTIMIZERS = ("adamw", "adam", "adam_l2")  # muP's learning-rate scaling (model/mup.py) is Adam's
 
 
@@ -82,31 +153,9 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
     raise ValueError(f"mup.base_width={config.mup.base_width} scales Adam's learning rates; optimizer.name="
                      f"{opt.name!r} would need its own (muP's SGD and Muon scalings are not built): use one of "
                      f"{', '.join(MUP_OPTIMIZERS)}, or leave mup.base_width at 0.")
-  if opt.name == "muon":
-    described = muon.matrices(params, logical, mesh, moment_rules, opt.muon_iteration)
-    rule = muon.muon(config, lr, lambda p: decay_mask(p, config), described)
-  elif opt.name == "schedule_free_adamw":
-    if config.schedule.decay != "constant":
-      raise ValueError(f"optimizer.name='schedule_free_adamw' averages its iterates in place of a decay; set "
-                       f"schedule.decay=constant (warmup, then the peak rate), not {config.schedule.decay!r}.")
-    if config.precision.moments != "float32":
-      raise ValueError(f"precision.moments={config.precision.moments!r}: schedule-free's state holds z, a copy of "
-                       "the weights, which would be rounded; keep precision.moments=float32.")
-    rule = schedule_free.schedule_free_adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask)
-  elif opt.name == "adamw":
-    # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
-    rule = optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
-  elif opt.name == "adam":
-    rule = optax.adam(lr, opt.b1, opt.b2, opt.eps)
-  elif opt.name == "adam_l2":
-    # L2 in the loss: the decay term is added to the gradient before Adam rescales it.
-    rule = optax.chain(optax.add_decayed_weights(opt.weight_decay, mask), optax.adam(lr, opt.b1, opt.b2, opt.eps))
-  elif opt.name == "sgd":
-    rule = optax.sgd(lr)
-  elif opt.name == "momentum":
-    rule = optax.sgd(lr, momentum=opt.momentum)
-  else:
+  if opt.name not in OPTIMIZERS:
     raise ValueError(f"optimizer.name={opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
+  rule = OPTIMIZERS[opt.name].rule(config, lr, mask, params, logical, mesh, moment_rules)
   if config.mup.base_width:
     rule = optax.chain(rule, _scaled_by(mup.learning_rate_factors(
         params, logical, config.model.embed_dim / config.mup.base_width)))
@@ -141,3 +190,26 @@ def stored_as(dtype, inner: optax.GradientTransformation) -> optax.GradientTrans
     return updates, narrow(state)
 
   return optax.GradientTransformation(lambda params: narrow(inner.init(params)), update)
+
+
+def state_bytes(config, weights: list[Weight]) -> list[int]:
+  """Bytes of optimizer state each weight keeps per element of its own (Adam's m and v, Muon's momentum,
+  schedule-free's z...), read off the abstract state of the optimizer `config` builds for them
+  (jax.eval_shape of its init: nothing allocated). A state leaf is the weight's whose tree path its own
+  ends in, with the weight's shape, as training/state.py lays the moments out."""
+  params, logical = {}, {}
+  for w in weights:
+    *parents, last = w.path
+    params_node, logical_node = params, logical
+    for key in parents:
+      params_node, logical_node = params_node.setdefault(key, {}), logical_node.setdefault(key, {})
+    params_node[last], logical_node[last] = jax.ShapeDtypeStruct(w.shape, jnp.float32), PartitionSpec(*w.axes)
+  state = jax.eval_shape(make_optimizer(config, params, logical).init, params)
+  owner_of = {w.path: i for i, w in enumerate(weights)}
+  per_element = [0] * len(weights)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    owner = next((owner_of[keys[i:]] for i in range(len(keys)) if keys[i:] in owner_of), None)
+    if owner is not None and leaf.shape == weights[owner].shape:
+      per_element[owner] += leaf.dtype.itemsize
+  return per_element
