@@ -17,26 +17,25 @@ the settings that fit in order of that best case, stopping once a best case is
 slower than the top N found.
 """
 
-import copy
 import dataclasses
 import itertools
-import types
 
 import ml_collections
 
 from configs.load import set_fields
 from measure import estimate, step_time
 from measure.hardware import Cluster
+from measure.sizes import Run, replaced, run_of
 from parallel.checks import check_divides
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, hybrid_shape
-from training.state import model_config
+from parallel.schedules import SCHEDULES
 
 # The memory knobs, fastest first within each: what the backward pass keeps (every model.remat policy;
 # tests/test_planner.py holds the two lists equal), and the MLP whole or in chunks of this many tokens
 # per device (recomputed in the backward pass).
 REMAT_ORDER = ("none", "save_dots", "save_attention", "offload", "full", "full_offload")
 MLP_CHUNKS = (0, 4096)
-CONTEXTS = ("ring", "ulysses", "allgather")
+CONTEXTS = ("ring", "ulysses", "allgather")  # the search's order of parallel/context.py's strategies
 MEMORY_KNOBS = ("model.remat", "model.mlp_chunk", "grad_accum")
 VIRTUAL_STAGES = (2, 4)
 
@@ -80,12 +79,12 @@ def divisors(n: int) -> list[int]:
   return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def mesh_shapes(config, cluster: Cluster):
+def mesh_shapes(run: Run, cluster: Cluster):
   """(mesh sizes, slow-tier groups per axis) for every mesh the cluster can hold: tensor x sequence x
   expert inside one fast-tier group, the slow tier's groups spread over data and pipeline."""
   devices, fast, groups = cluster.devices, cluster.fast_group, cluster.groups
-  experts = config.moe.experts
-  units = model_config(config).num_units
+  experts = run.model.num_experts
+  units = run.model.num_units
   for tensor in divisors(fast):
     for sequence in divisors(fast // tensor):
       for expert in (divisors(fast // (tensor * sequence)) if experts else [1]):
@@ -100,7 +99,7 @@ def mesh_shapes(config, cluster: Cluster):
                    {DATA: slow_data, PIPELINE: slow_pipeline})
 
 
-def structures(config, mesh: dict, slow: dict):
+def structures(run: Run, mesh: dict, slow: dict):
   """The flags of every layout on one mesh but its memory knobs (ZeRO and hybrid groups, the pipeline's
   schedule and micro-batches, the attention strategy), as the config keys train.py reads."""
   base = {f"mesh.{a}": mesh[a] for a in AXES}
@@ -114,11 +113,12 @@ def structures(config, mesh: dict, slow: dict):
                     for g in divisors(replicas_in_group) if 1 < g < mesh[DATA] and (mesh[DATA] // g) % slow[DATA] == 0]
   if mesh[PIPELINE] > 1:
     # Any micro-batch count from one per stage up to one sequence each (interleaved: a multiple of the stages).
-    stages, per_replica = mesh[PIPELINE], config.batch_size // (mesh[DATA] * mesh[EXPERT])
+    stages, per_replica = mesh[PIPELINE], run.batch_size // (mesh[DATA] * mesh[EXPERT])
     counts = [m for m in divisors(per_replica) if m >= stages]
-    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": m} for s in ("gpipe", "1f1b") for m in counts]
-    schedules += [{"pipeline.schedule": "interleaved", "pipeline.virtual_stages": v, "pipeline.microbatches": m}
-                  for v in VIRTUAL_STAGES for m in counts if m % stages == 0]
+    plain = [name for name, schedule in SCHEDULES.items() if not schedule.virtual]
+    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": m} for s in plain for m in counts]
+    schedules += [{"pipeline.schedule": s, "pipeline.virtual_stages": v, "pipeline.microbatches": m}
+                  for s in SCHEDULES if s not in plain for v in VIRTUAL_STAGES for m in counts if m % stages == 0]
   else:
     schedules = [{}]
   contexts = [{"attention.context": c} for c in CONTEXTS] if mesh[SEQUENCE] > 1 else [{}]
@@ -127,49 +127,32 @@ def structures(config, mesh: dict, slow: dict):
 
 
 def configured(config, flags: dict):
-  """`config` with `flags` (dotted keys) set: a ConfigDict for one, or a namespace (`scoring_view`) cheaply
-  for the thousands the search scores, sharing every part no flag touches."""
+  """`config` with `flags` (dotted keys) set: a ConfigDict for one, or a Run (measure/sizes.py) cheaply for the
+  thousands of layouts the search scores, sharing every part no flag touches."""
   if isinstance(config, ml_collections.ConfigDict):
     return set_fields(config.copy_and_resolve_references(), flags)
-  out = copy.copy(config)
-  for key, value in flags.items():
-    *path, last = key.split(".")
-    node = out
-    for part in path:
-      child = copy.copy(getattr(node, part))
-      setattr(node, part, child)
-      node = child
-    setattr(node, last, value)
-  return out
+  return replaced(config, flags)
 
 
-def scoring_view(config) -> types.SimpleNamespace:
-  """The config as nested namespaces: the estimate reads fields by attribute only, and a ConfigDict's
-  copy costs a millisecond, which over the layouts of a large cluster is most of the search."""
-  return types.SimpleNamespace(**{key: scoring_view(value) if isinstance(value, ml_collections.ConfigDict)
-                                  else value for key, value in config.items()})
-
-
-def legal(config, mesh: dict) -> bool:
-  """Whether train.py accepts `config` on `mesh` (the checks it runs before compiling anything)."""
+def legal(run: Run, mesh: dict) -> bool:
+  """Whether train.py accepts `run` on `mesh` (the checks it runs before compiling anything)."""
   try:
-    check_divides(model_config(config), mesh, batch_size=config.batch_size, grad_accum=config.grad_accum,
-                  zero=config.sharding.zero, pipeline=config.pipeline, context=config.attention.context,
-                  fsdp_group=config.sharding.fsdp_group)
+    check_divides(run.model, mesh, batch_size=run.batch_size, grad_accum=run.grad_accum, zero=run.sharding.zero,
+                  pipeline=run.pipeline, context=run.attention.context, fsdp_group=run.sharding.fsdp_group)
   except ValueError:
     return False
   return True
 
 
-def memory_knobs(config, mesh: dict, kind_has_host_link: bool):
+def memory_knobs(run: Run, mesh: dict, kind_has_host_link: bool):
   """Flags of the memory knobs in the order to try them: remat policies fastest first, then the MLP
   in chunks (where a device's micro-batch has more tokens than a chunk), then more micro-batches of
   accumulation (each a smaller step's worth held at once)."""
-  micro = config.pipeline.microbatches if mesh[PIPELINE] > 1 else 1
-  per_replica = config.batch_size // (mesh[DATA] * mesh[EXPERT] * micro)
+  micro = run.pipeline.microbatches if mesh[PIPELINE] > 1 else 1
+  per_replica = run.batch_size // (mesh[DATA] * mesh[EXPERT] * micro)
   accums = [a for a in divisors(per_replica) if a & (a - 1) == 0]  # powers of two
   policies = [p for p in REMAT_ORDER if kind_has_host_link or "offload" not in p]
-  tokens = per_replica * config.model.max_len // mesh[SEQUENCE]
+  tokens = per_replica * run.model.max_len // mesh[SEQUENCE]
   chunks = [c for c in MLP_CHUNKS if c < tokens]
   for remat, chunk in itertools.product(policies, chunks):
     yield [{"model.remat": remat, "model.mlp_chunk": chunk, "grad_accum": a} for a in accums]
@@ -183,14 +166,14 @@ def search(config, cluster: Cluster, weights: list, achievable: float, headroom:
   fixed = fixed or {}
   budget = cluster.kind.hbm_bytes * (1 - headroom)
   host_link = step_time.host_link_bandwidth(cluster) is not None
-  original, config = config, scoring_view(config)
+  run = run_of(config)
   best_cases, meshes, scored = [], 0, 0
-  for mesh_sizes, slow in mesh_shapes(config, cluster):
+  for mesh_sizes, slow in mesh_shapes(run, cluster):
     meshes += 1
-    for flags in structures(config, mesh_sizes, slow):
+    for flags in structures(run, mesh_sizes, slow):
       if not _agrees(config, flags, fixed, exclude=MEMORY_KNOBS):
         continue
-      candidate = configured(config, {**flags, "model.remat": "none", "model.mlp_chunk": 0, "grad_accum": 1})
+      candidate = configured(run, {**flags, "model.remat": "none", "model.mlp_chunk": 0, "grad_accum": 1})
       mesh = hybrid_shape(mesh_sizes, candidate.sharding.fsdp_group)
       if not legal(candidate, mesh):
         continue
@@ -202,10 +185,10 @@ def search(config, cluster: Cluster, weights: list, achievable: float, headroom:
   for fastest_step, flags, mesh, slow in best_cases:
     if len(ranked) >= top and fastest_step >= ranked[top - 1].time.step:
       break
-    choice, tried = _best_fitting(config, flags, mesh, slow, cluster, weights, achievable, budget, host_link,
+    choice, tried = _best_fitting(config, run, flags, mesh, slow, cluster, weights, achievable, budget, host_link,
                                   fixed)
     if choice is not None:
-      choice = dataclasses.replace(choice, flags=_changed(original, choice.flags))
+      choice = dataclasses.replace(choice, flags=_changed(config, choice.flags))
     scored += tried
     if choice is not None:
       ranked.append(choice)
@@ -213,16 +196,16 @@ def search(config, cluster: Cluster, weights: list, achievable: float, headroom:
   return Plan(ranked=ranked[:top], meshes=meshes, scored=scored)
 
 
-def _best_fitting(config, flags, mesh, slow, cluster, weights, achievable, budget, host_link, fixed):
-  """The fastest settings of the memory knobs that fit `budget`, as a Choice (None if none fits), and how
+def _best_fitting(config, run, flags, mesh, slow, cluster, weights, achievable, budget, host_link, fixed):
+  """The fastest settings of the memory knobs of `run` (read from `config`) of the memory knobs that fit `budget`, as a Choice (None if none fits), and how
   many settings were scored. Each remat policy and chunking is a ladder of more and more micro-batches,
   whose first rung is its fastest; ladders are climbed fastest first rung first, each only while its
   rungs can still beat the best fit found, and stop at their first fit (more micro-batches only add
   reductions)."""
   ladders = []
-  for ladder in memory_knobs(configured(config, flags), mesh, host_link):
+  for ladder in memory_knobs(configured(run, flags), mesh, host_link):
     rungs = [(knobs, c) for knobs in ladder if _agrees(config, knobs, {k: fixed[k] for k in MEMORY_KNOBS if k in fixed})
-             and legal(c := configured(config, {**flags, **knobs}), mesh)]
+             and legal(c := configured(run, {**flags, **knobs}), mesh)]
     if rungs:
       fastest = step_time.predict(rungs[0][1], mesh, slow, cluster, weights, achievable)
       ladders.append((fastest.step, rungs))
@@ -268,18 +251,18 @@ def smallest_fitting_cluster(config, cluster: Cluster, weights: list, headroom: 
   memory alone: ZeRO-3 over every data device, full recomputation, the MLP in chunks and the most
   micro-batches; None below `most`."""
   budget = cluster.kind.hbm_bytes * (1 - headroom)
-  config = scoring_view(config)
+  run = run_of(config)
   devices = cluster.devices * 2
   while devices <= most:
     bigger = dataclasses.replace(cluster, devices=devices)
-    for mesh, slow in mesh_shapes(config, bigger):
-      for flags in structures(config, mesh, slow):
+    for mesh, slow in mesh_shapes(run, bigger):
+      for flags in structures(run, mesh, slow):
         if flags.get("sharding.zero") != 3 or "sharding.fsdp_group" in flags:
           continue
-        lean = configured(config, {**flags, "model.remat": "full", "model.mlp_chunk": MLP_CHUNKS[-1]})
+        lean = configured(run, {**flags, "model.remat": "full", "model.mlp_chunk": MLP_CHUNKS[-1]})
         per_replica = lean.batch_size // (mesh[DATA] * mesh[EXPERT] *
                                            (lean.pipeline.microbatches if mesh[PIPELINE] > 1 else 1))
-        lean.grad_accum = max(a for a in divisors(max(per_replica, 1)) if a & (a - 1) == 0)
+        lean = dataclasses.replace(lean, grad_accum=max(a for a in divisors(max(per_replica, 1)) if a & (a - 1) == 0))
         if legal(lean, mesh) and sum(estimate.memory(lean, mesh, weights).values()) <= budget:
           return devices
     devices *= 2

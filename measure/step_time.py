@@ -30,6 +30,7 @@ import dataclasses
 import math
 
 from measure import estimate, tiers
+from measure.sizes import run_of
 from measure.hardware import Cluster
 from parallel import context, experts, schedules
 from parallel.mesh import PIPELINE, SEQUENCE
@@ -75,36 +76,38 @@ def hops(kind: str, inside: int, groups: int) -> dict[str, int]:
   return {tiers.FAST: rounds * (inside - 1), tiers.SLOW: rounds * (groups - 1)}
 
 
-def calls(config, mesh: dict, source: str, kind: str) -> int:
+def calls(run, mesh: dict, source: str, kind: str) -> int:
   """How many times per step a source's collective of `kind` runs: once per layer and pass for the
   collectives inside the layers, per tick for a pipeline's hand-offs, per layer's bucket and micro-batch
   for gradient reductions (as XLA's and DDP's combiners group them)."""
-  forward, backward = estimate.layer_passes(config, mesh)
-  layers = config.model.num_layers // mesh[PIPELINE]
+  run = run_of(run)
+  forward, backward = estimate.layer_passes(run, mesh)
+  layers = run.model.num_layers // mesh[PIPELINE]
   per_pass = (forward + backward) * layers
   if source == "tensor":
     return 2 * per_pass
   if source == "context":
-    return per_pass * context.STRATEGIES[config.attention.context].calls(mesh[SEQUENCE])
+    return per_pass * context.STRATEGIES[run.attention.context].calls(mesh[SEQUENCE])
   if source == "experts":
-    return experts.CALLS * per_pass // max(config.moe.every, 1)
+    return experts.CALLS * per_pass // max(run.model.moe_every, 1)
   if source == "pipeline":
-    p = config.pipeline
+    p = run.pipeline
     ticks = schedules.SCHEDULES[p.schedule].ticks(stages=mesh[PIPELINE], micro=p.microbatches,
                                                    virtual=schedules.virtual_stages(p))
-    return 2 * ticks * config.grad_accum
+    return 2 * ticks * run.grad_accum
   if source == "optimizer":  # Muon gathers each matrix's momentum once per step
     return layers
   if kind == "all-gather":  # ZeRO-3 gathers each layer's weights in each pass, ZeRO-1 the updated ones once
-    return per_pass if config.sharding.zero == 3 else layers
-  return config.grad_accum * layers
+    return per_pass if run.sharding.zero == 3 else layers
+  return run.grad_accum * layers
 
 
-def hiding_place(config, mesh: dict, source: str, kind: str) -> str:
+def hiding_place(run, mesh: dict, source: str, kind: str) -> str:
   """Where a source's collective of `kind` hides (module docstring)."""
+  run = run_of(run)
   if source == "gradients":
     if kind == "all-gather":
-      return BOTH_PASSES if config.sharding.zero == 3 else EXPOSED
+      return BOTH_PASSES if run.sharding.zero == 3 else EXPOSED
     return BACKWARD if mesh[PIPELINE] == 1 else EXPOSED
   if source == "context" and kind == "collective-permute":
     return ATTENTION
@@ -132,24 +135,26 @@ def host_link_bandwidth(cluster: Cluster) -> float | None:
   return HOST_LINK.get(cluster.kind.name)
 
 
-def offload_seconds(config, mesh: dict, cluster: Cluster) -> float:
+def offload_seconds(run, mesh: dict, cluster: Cluster) -> float:
   """Seconds per step of the offloading remat policies' copies: each layer's offloaded values out in the
   forward pass and back in the backward pass, per micro-batch, over the host link."""
-  saved = estimate.saved_per_layer(config, mesh)["host"]
+  run = run_of(run)
+  saved = estimate.saved_per_layer(run, mesh)["host"]
   if not saved:
     return 0.0
   bandwidth = host_link_bandwidth(cluster)
   if bandwidth is None:
-    raise ValueError(f"model.remat={config.model.remat} offloads to host memory, whose link on "
+    raise ValueError(f"model.remat={run.model.remat} offloads to host memory, whose link on "
                      f"{cluster.kind.name} has no figure here; plan with a policy that keeps to the device.")
-  forward, _ = estimate.layer_passes(config, mesh)
-  runs = forward // (2 if config.model.remat == "full_offload" else 1)
-  return 2 * saved * runs * (config.model.num_layers // mesh[PIPELINE]) / bandwidth
+  forward, _ = estimate.layer_passes(run, mesh)
+  runs = forward // (2 if run.model.remat == "full_offload" else 1)
+  return 2 * saved * runs * (run.model.num_layers // mesh[PIPELINE]) / bandwidth
 
 
-def peak_flops(config, cluster: Cluster) -> float:
+def peak_flops(run, cluster: Cluster) -> float:
   """The device's peak for the step's compute dtype: fp8's for float8 where the device has it."""
-  compute = config.precision.compute
+  run = run_of(run)
+  compute = run.model.compute_dtype
   if compute == "float32":
     raise ValueError("precision.compute=float32 has no step-time model (peak figures are for bf16 and fp8 "
                      "tensor cores); plan with precision.compute=bfloat16.")
@@ -158,35 +163,36 @@ def peak_flops(config, cluster: Cluster) -> float:
   return cluster.kind.bf16_flops
 
 
-def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, achievable: float,
+def predict(run, mesh: dict, slow: dict, cluster: Cluster, weights: list, achievable: float,
             attention_slowdown: float = 1.0) -> StepTime:
   """The step's time on `cluster` for `config` on `mesh` (axis sizes after hybrid sharding), `slow` its
   slow-tier groups per axis (parallel.mesh.slow_tier_shape), `achievable` the fraction of peak the
   device's matmuls reach (measure/calibration.py). `attention_slowdown`: how many times longer
   attention's FLOPs (QK^T and PV) take than the weight matmuls'; 1 for fused (flash-style) attention,
   which meshlm and the calibration runs use, more for attention that writes its scores to memory."""
-  rate = peak_flops(config, cluster) * achievable
-  flops = estimate.flops(config, mesh, weights)
-  attention = _attention_seconds(config, mesh, weights, rate) * attention_slowdown
+  run = run_of(run)
+  rate = peak_flops(run, cluster) * achievable
+  flops = estimate.flops(run, mesh, weights)
+  attention = _attention_seconds(run, mesh, weights, rate) * attention_slowdown
   layers_seconds = (flops["layers"] + flops["recompute"]) / rate + attention * (1 - 1 / attention_slowdown)
   stages = mesh[PIPELINE]
   bubble = 0.0
   if stages > 1:
-    p = config.pipeline
+    p = run.pipeline
     idle = schedules.bubble_over_total(stages=stages, micro=p.microbatches, virtual=schedules.virtual_stages(p))
     bubble = layers_seconds * idle / (1 - idle)
   compute = layers_seconds + flops["head"] / rate
   # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.
   backward_seconds = (flops["layers"] * 2 / 3 + flops["recompute"]) / rate
   window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: attention, EXPOSED: 0.0}
-  layers_per_stage = config.model.num_layers // stages
+  layers_per_stage = run.model.num_layers // stages
   communication, exposed, totals = {}, {}, dict.fromkeys((tiers.FAST, tiers.SLOW), 0)
-  for source, traffic in estimate.collectives_by_source(config, mesh, weights).items():
-    split = tiers.split(traffic, mesh, slow, config.pipeline.schedule)
+  for source, traffic in estimate.collectives_by_source(run, mesh, weights).items():
+    split = tiers.split(traffic, mesh, slow, run.pipeline.schedule)
     hidden_by = {}
     for (kind, axes), by_tier in split.items():
-      seconds = collective_seconds(kind, axes, by_tier, calls(config, mesh, source, kind), mesh, slow, cluster)
-      place = hiding_place(config, mesh, source, kind)
+      seconds = collective_seconds(kind, axes, by_tier, calls(run, mesh, source, kind), mesh, slow, cluster)
+      place = hiding_place(run, mesh, source, kind)
       hidden_by[place] = hidden_by.get(place, 0.0) + seconds
       for tier in totals:
         totals[tier] += by_tier[tier]
@@ -195,22 +201,22 @@ def predict(config, mesh: dict, slow: dict, cluster: Cluster, weights: list, ach
     exposed[source] = sum(seconds if place == EXPOSED else
                           max(seconds - window[place], seconds / layers_per_stage)
                           for place, seconds in hidden_by.items())
-  offload = offload_seconds(config, mesh, cluster)
+  offload = offload_seconds(run, mesh, cluster)
   if offload:
     communication["offload"] = offload
     exposed["offload"] = max(offload - layers_seconds, offload / layers_per_stage)
   step = compute + bubble + sum(exposed.values())
-  tokens = config.batch_size * config.model.max_len
-  ideal = estimate.ideal_flops(config, mesh, weights)
+  tokens = run.batch_size * run.model.max_len
+  ideal = estimate.ideal_flops(run, mesh, weights)
   return StepTime(compute=compute, bubble=bubble, communication=communication, exposed=exposed,
                   bytes_by_tier=totals, step=step, tokens_per_second=tokens / step,
-                  mfu=ideal / (step * peak_flops(config, cluster)), flops_per_device=flops["total"])
+                  mfu=ideal / (step * peak_flops(run, cluster)), flops_per_device=flops["total"])
 
 
-def _attention_seconds(config, mesh: dict, weights: list, rate: float) -> float:
+def _attention_seconds(run, mesh: dict, weights: list, rate: float) -> float:
   """The attention matmuls' seconds per step (QK^T and PV, forward and backward): ring attention's hops
   hide under them."""
-  d = estimate.dims(config, mesh)
-  forward, backward = estimate.layer_passes(config, mesh)
-  parts = estimate.stage_forward(config, d, mesh, weights)
+  d = estimate.dims(run, mesh)
+  forward, backward = estimate.layer_passes(run, mesh)
+  parts = estimate.stage_forward(run, d, mesh, weights)
   return (parts["scores"] + parts["values"]) * (forward + 2 * backward) / rate

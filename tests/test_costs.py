@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from helpers import tiny_config
-from measure import estimate
+from measure import estimate, planner
 from measure.dry_run import model_weights
 from parallel import context, schedules
 from parallel.mesh import AXES, PIPELINE, SEQUENCE
@@ -70,3 +70,7 @@ def test_an_optimizer_registered_with_its_costs_needs_no_memory_table(monkeypatc
   weights = model_weights(config)
   memory = estimate.memory(config, sizes(data=2), weights)
   assert memory["opt_state"] == memory["params"]
+
+
+def test_the_planner_searches_every_context_strategy():
+  assert sorted(planner.CONTEXTS) == sorted(context.STRATEGIES)

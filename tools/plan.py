@@ -16,12 +16,8 @@ cluster it would fit.
 
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags, logging
-
-# `python tools/plan.py` puts tools/ on sys.path, not the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from run.config_flag import define_config_flag
 

@@ -7,21 +7,8 @@ published runs (Megatron-LM's weak-scaling table, Llama 3 70B on TPU v5p).
 
 speed, verify and tiers are the planning page's commands run as written (each a
 subprocess: a command that simulates devices fixes their count when jax starts),
-their tables cut from what they print.
-
-Megatron-LM (Narayanan et al. 2021, Table 1; configs/megatron.py): for each
-row, step_time's prediction for the paper's own mesh (tensor x pipeline x
-data, ZeRO off and full recomputation as the paper ran, the schedule and
-micro-batches it does not state chosen by the planner) as TFLOP/s per GPU
-the way the paper counts them (its equation 3 over the predicted step),
-beside what it measured; and the planner's own best layout on the same GPUs,
-with the paper's mesh's rank among the planner's choices.
-
-Llama 3 70B on TPU v5p ("How to Scale Your Model", Austin et al. 2025, "Training
-LLaMA 3 on TPUs"): the book's layout (1,024-way data x 2-way sequence x 4-way
-tensor, FSDP, over 8,192 chips as one ICI domain, 1,024 sequences of 4,096
-tokens) predicted, beside the book's own estimate (40% MFU, assumed) and the
-planner's best.
+their tables cut from what they print. megatron, llama and calibration are
+measure/planning_tables.py's: the planner beside published runs.
 """
 
 import os
@@ -30,136 +17,19 @@ import sys
 import time
 from pathlib import Path
 
+from absl import app, flags
+
+from configs import megatron
+from measure.doc_blocks import replace_block
+from measure.planning_tables import calibration_table, llama_table, megatron_table
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `python tools/planning_tables.py` puts tools/ on sys.path, not the repo root
-
-from absl import app, flags  # pylint: disable=wrong-import-position
-
-from configs import llama, megatron  # pylint: disable=wrong-import-position
-from measure import calibration, hardware, planner, step_time  # pylint: disable=wrong-import-position
-from measure.doc_blocks import replace_block  # pylint: disable=wrong-import-position
-from measure.dry_run import model_weights  # pylint: disable=wrong-import-position
 
 _ROWS = flags.DEFINE_list("rows", list(megatron.ROWS), f"Megatron-LM rows, of {', '.join(megatron.ROWS)}.")
 _BLOCKS = flags.DEFINE_list("blocks", ["speed", "verify", "tiers", "calibration", "megatron", "llama"],
                             "The tables to make.")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the <!-- planning:... --> blocks of --page.")
 _PAGE = flags.DEFINE_string("page", str(ROOT / "docs" / "planning.md"), "The file --write rewrites.")
-RANKED = 10  # the planner's choices searched for the paper's mesh
-
-# The book's figures: 15T tokens, 6 x 70e9 FLOPs per token, 8,960 chips at 4.59e14 and an assumed 40% MFU.
-BOOK_TOKENS, BOOK_MFU, BOOK_CHIPS, BOOK_DAYS = 15e12, 0.40, 8960, 44
-DAY = 86400
-
-
-def paper_mesh(row: megatron.Row) -> dict:
-  return {"mesh.tensor": row.tensor, "mesh.pipeline": row.pipeline, "mesh.data": row.gpus // (row.tensor * row.pipeline),
-          "mesh.sequence": 1, "mesh.expert": 1}
-
-
-def megatron_row(name: str, achievable: float) -> dict:
-  """The paper's mesh predicted (its settings chosen by the planner) and the planner's best, for one row."""
-  row = megatron.ROWS[name]
-  config = megatron.get_config(name)
-  config.precision.compute = "bfloat16"
-  cluster = hardware.cluster("a100", row.gpus)
-  weights = model_weights(config)
-  as_paper = {**paper_mesh(row), "sharding.zero": 0, "model.remat": "full"}
-  theirs = planner.search(config, cluster, weights, achievable, top=1, fixed=as_paper).ranked
-  ours = planner.search(config, cluster, weights, achievable, top=RANKED).ranked
-  paper = theirs[0] if theirs else None
-  rank = next((i for i, c in enumerate(ours, 1) if all(c.axes[key.split(".")[1]] == value
-                                                       for key, value in paper_mesh(row).items())), None)
-  step_at = lambda slowdown: step_time.predict(planner.configured(config, paper.flags), paper.mesh, paper.slow,
-                                               cluster, weights, achievable, slowdown).step
-  return {"row": row, "paper": paper, "best": ours[0] if ours else None, "rank": rank, "step_at": step_at}
-
-
-def teraflops(row: megatron.Row, step: float) -> float:
-  """TFLOP/s per GPU as the paper counts them (its equation 3) for a step of `step` seconds."""
-  return megatron.paper_flops(row) / (row.gpus * step) / 1e12
-
-
-def reason(best, paper) -> str:
-  """What the planner gives for preferring its own layout: the parts of the step that differ most."""
-  b, p = best.time, paper.time
-  parts = {"bubble": (b.bubble, p.bubble), "exposed communication": (sum(b.exposed.values()), sum(p.exposed.values())),
-           "compute (recomputation)": (b.compute, p.compute)}
-  gains = sorted(((theirs - ours, what, ours, theirs) for what, (ours, theirs) in parts.items()), reverse=True)
-  return "; ".join(f"{what} {ours:.2f} s against {theirs:.2f} s" for gain, what, ours, theirs in gains if gain > 0.005)
-
-
-def megatron_table(names: list[str]) -> str:
-  """Each row predicted at the A100's calibrated fraction with fused attention (step_time's default), and
-  with attention as slow as it fits the paper's first row: Megatron-LM's 2021 attention was not fused,
-  and what one slowdown does to the other rows tests the communication and bubble model."""
-  achievable = calibration.achievable_fraction("a100")
-  rows = [megatron_row(name, achievable) for name in names]
-  first = rows[0]
-  measured_step = megatron.paper_flops(first["row"]) / (first["row"].gpus * first["row"].teraflops_per_gpu * 1e12)
-  slowdown = calibration.solve(first["step_at"], measured_step, low=1.0, high=50.0)
-  lines = ["| row | paper's tensor x pipeline x data: settings chosen | measured TFLOP/s per GPU "
-           "| predicted, fused attention | / measured "
-           f"| predicted, attention {slowdown:.1f}x slower | / measured "
-           "| planner's best layout | its TFLOP/s | paper's mesh's rank | why the planner prefers its own |",
-           "|" + " --- |" * 11]
-  within = {1.0: 0, slowdown: 0}
-  for name, r in zip(names, rows):
-    row, paper, best, rank = r["row"], r["paper"], r["best"], r["rank"]
-    mesh = f"{row.tensor} x {row.pipeline} x {row.gpus // (row.tensor * row.pipeline)}"
-    if paper is None:
-      lines.append(f"| {name} | {mesh}: does not fit | {row.teraflops_per_gpu:.0f} | | | | | | | | |")
-      continue
-    predicted = {s: teraflops(row, r["step_at"](s)) for s in within}
-    for s, value in predicted.items():
-      within[s] += abs(value / row.teraflops_per_gpu - 1) <= 0.15
-    lines.append(f"| {name} | {mesh}: {paper.settings or 'defaults'} | {row.teraflops_per_gpu:.0f} "
-                 + "".join(f"| {value:.0f} | {value / row.teraflops_per_gpu:.2f} " for value in predicted.values())
-                 + f"| {planner.describe_mesh(best.axes, best.slow)}: {best.settings} "
-                 f"| {teraflops(row, best.time.step):.0f} | {rank if rank else f'> {RANKED}'} "
-                 f"| {'' if rank == 1 else reason(best, paper)} |")
-  lines += ["", f"A100 achievable fraction {achievable:.3f} ({calibration.REFERENCES['a100'].label}). Within 15% "
-            f"of the measured TFLOP/s: {within[1.0]} of {len(rows)} rows with fused attention; {within[slowdown]} of "
-            f"{len(rows)} with attention {slowdown:.1f}x slower than the matmuls, the slowdown that fits row "
-            f"{names[0]} (so the other {len(rows) - 1} rows are the check)."]
-  return "\n".join(lines)
-
-
-def llama_table() -> str:
-  config = llama.get_config("70b")
-  config.batch_size, config.model.max_len, config.precision.compute = 1024, 4096, "bfloat16"
-  cluster = hardware.cluster("tpu_v5p", 8192, fast_group=8192)
-  weights = model_weights(config)
-  achievable = calibration.achievable_fraction("tpu_v5p")
-  book_layout = {"mesh.data": 1024, "mesh.sequence": 2, "mesh.tensor": 4, "mesh.pipeline": 1, "mesh.expert": 1,
-                 "sharding.zero": 3, "sharding.fsdp_group": 0}
-  book = planner.search(config, cluster, weights, achievable, top=1, fixed=book_layout).ranked
-  best = planner.search(config, cluster, weights, achievable, top=1).ranked
-  tokens = config.batch_size * config.model.max_len
-  days = lambda choice: BOOK_TOKENS / choice.time.tokens_per_second / DAY
-  book_step = tokens * 6 * 70e9 / (BOOK_CHIPS * cluster.kind.bf16_flops * BOOK_MFU)
-  lines = ["| what | layout | step s | MFU | days for 15T tokens |", "|" + " --- |" * 5,
-           f"| the book's estimate | 1,024 data x 2 sequence x 4 tensor, FSDP (8,960 chips in its arithmetic) "
-           f"| {book_step:.2f} | {BOOK_MFU:.0%} (assumed) | {BOOK_DAYS} |"]
-  for what, found in (("predicted for the book's layout", book), ("the planner's best", best)):
-    if found:
-      c = found[0]
-      lines.append(f"| {what} | {planner.describe_mesh(c.axes, c.slow)}: {c.settings} "
-                   f"| {c.time.step:.2f} | {c.time.mfu:.1%} | {days(c):.0f} |")
-    else:
-      lines.append(f"| {what} | does not fit | | | |")
-  lines += ["", f"8,192 v5p chips as one ICI domain, as the book takes them; achievable fraction {achievable:.3f}, "
-            f"from {calibration.REFERENCES['tpu_v5p'].label}."]
-  return "\n".join(lines)
-
-
-def calibration_table() -> str:
-  lines = ["| kind | calibrated on | measured step s | achievable fraction |", "|" + " --- |" * 4]
-  for kind, reference in calibration.REFERENCES.items():
-    lines.append(f"| {kind} | {reference.label}; {reference.source} | {reference.step_seconds:.3f} "
-                 f"({reference.derivation}) | {calibration.achievable_fraction(kind):.3f} |")
-  return "\n".join(lines)
-
 
 # The planning page's commands whose output it shows: (the command, what to keep of its output).
 SPEED = ["tools/plan.py", "--config=configs/llama.py:405b", "--kind=h100", "--devices=16384", "--global_batch=2048",

@@ -19,14 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from absl import app, flags
+
+from measure.doc_blocks import replace_block
+from measure.dry_run import COMPILED_FLOPS, IDEAL
+
 ROOT = Path(__file__).resolve().parent.parent
-# `python tools/scale_table.py` puts tools/ on sys.path, not the repo root that holds tools/ and training/.
-sys.path.insert(0, str(ROOT))
-
-from absl import app, flags  # pylint: disable=wrong-import-position
-
-from measure.doc_blocks import replace_block  # pylint: disable=wrong-import-position
-from measure.dry_run import COMPILED_FLOPS, IDEAL  # pylint: disable=wrong-import-position
 
 GiB, MiB = 2**30, 2**20
 BASE = ["--config=configs/gpt2.py:1558m", "--dry_run", "--simulate_devices=64", "--config.batch_size=64"]

@@ -249,9 +249,9 @@ def scale_by_muon(described: list, beta: float, steps: int, rms: float) -> optax
   return optax.GradientTransformation(lambda params: MomentumState(jax.tree.map(jnp.zeros_like, params)), update)
 
 
-def muon(config, learning_rate, decays, described: dict) -> optax.GradientTransformation:
-  """Muon for the parameters `described` gives a Matrix, AdamW (decay where `decays`) for the rest."""
-  opt = config.optimizer
+def muon(opt, learning_rate, decays, described: dict) -> optax.GradientTransformation:
+  """Muon (settings `opt`, config.optimizer) for the parameters `described` gives a Matrix, AdamW (decay where
+  `decays`) for the rest."""
   is_matrix = lambda x: isinstance(x, Matrix) or x is None
   labels = jax.tree.map(lambda m: "adamw" if m is None else "muon", described, is_leaf=is_matrix)
   muon_leaves = [m for m in jax.tree.leaves(described, is_leaf=is_matrix) if m is not None]

@@ -21,13 +21,15 @@ from training import muon, schedule_free
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
   """An update rule and its costs beside the gradients' reduction."""
-  # (config, learning rate, decay mask, params, logical, mesh, moment_rules) -> its optax transformation
+  # (config.optimizer, learning rate, decays: params -> where weight decay applies, params, logical, mesh,
+  # moment_rules) -> its optax transformation
   rule: Callable[..., optax.GradientTransformation]
   # (config.optimizer, the moments' rules table, mesh sizes, weights): {(kind, axes): bytes one device
   # sends per step for the update itself}
   sent: Callable[..., dict[tuple[str, str], int]]
   flops: Callable[..., int]  # the same arguments: the update's matmul FLOPs per device per step
   gathered: int = 1  # copies ZeRO-1 all-gathers after the update: the weights, and any it keeps beside them
+  check: Callable[..., None] = lambda config: None  # refuses the config's other settings it cannot run with
 
 
 def _nothing_sent(opt, moments, mesh: dict, weights: list[Weight]) -> dict:
@@ -38,47 +40,55 @@ def _no_flops(opt, moments, mesh: dict, weights: list[Weight]) -> int:
   return 0
 
 
-def _muon(config, lr, mask, params, logical, mesh, moment_rules):
-  described = muon.matrices(params, logical, mesh, moment_rules, config.optimizer.muon_iteration)
-  return muon.muon(config, lr, lambda p: decay_mask(p, config), described)
+def _muon(opt, lr, decays, params, logical, mesh, moment_rules):
+  return muon.muon(opt, lr, decays, muon.matrices(params, logical, mesh, moment_rules, opt.muon_iteration))
 
 
-def _schedule_free_adamw(config, lr, mask, params, logical, mesh, moment_rules):
+def _check_schedule_free(config):
   if config.schedule.decay != "constant":
     raise ValueError(f"optimizer.name='schedule_free_adamw' averages its iterates in place of a decay; set "
                      f"schedule.decay=constant (warmup, then the peak rate), not {config.schedule.decay!r}.")
   if config.precision.moments != "float32":
     raise ValueError(f"precision.moments={config.precision.moments!r}: schedule-free's state holds z, a copy of "
                      "the weights, which would be rounded; keep precision.moments=float32.")
-  opt = config.optimizer
-  return schedule_free.schedule_free_adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask)
 
 
-def _adamw(config, lr, mask, *_):
+def _schedule_free_adamw(opt, lr, decays, params, *_):
+  return schedule_free.schedule_free_adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, decays(params))
+
+
+def _adamw(opt, lr, decays, params, *_):
   # Decoupled decay (Loshchilov & Hutter): shrink the weights apart from the adaptive step.
-  opt = config.optimizer
-  return optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=mask)
+  return optax.adamw(lr, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decays(params))
 
 
-def _adam_l2(config, lr, mask, *_):
+def _adam_l2(opt, lr, decays, params, *_):
   # L2 in the loss: the decay term is added to the gradient before Adam rescales it.
-  opt = config.optimizer
-  return optax.chain(optax.add_decayed_weights(opt.weight_decay, mask), optax.adam(lr, opt.b1, opt.b2, opt.eps))
+  return optax.chain(optax.add_decayed_weights(opt.weight_decay, decays(params)),
+                     optax.adam(lr, opt.b1, opt.b2, opt.eps))
 
 
 OPTIMIZERS = {
     "adamw": Optimizer(_adamw, _nothing_sent, _no_flops),
-    "adam": Optimizer(lambda config, lr, *_: optax.adam(lr, config.optimizer.b1, config.optimizer.b2,
-                                                        config.optimizer.eps), _nothing_sent, _no_flops),
+    "adam": Optimizer(lambda opt, lr, *_: optax.adam(lr, opt.b1, opt.b2, opt.eps), _nothing_sent, _no_flops),
     "adam_l2": Optimizer(_adam_l2, _nothing_sent, _no_flops),
-    "sgd": Optimizer(lambda config, lr, *_: optax.sgd(lr), _nothing_sent, _no_flops),
-    "momentum": Optimizer(lambda config, lr, *_: optax.sgd(lr, momentum=config.optimizer.momentum),
-                          _nothing_sent, _no_flops),
+    "sgd": Optimizer(lambda opt, lr, *_: optax.sgd(lr), _nothing_sent, _no_flops),
+    "momentum": Optimizer(lambda opt, lr, *_: optax.sgd(lr, momentum=opt.momentum), _nothing_sent, _no_flops),
     "muon": Optimizer(_muon, muon.sent, muon.newton_schulz_flops),
     # Schedule-free's gradient point y = b1 x + (1 - b1) z needs its base sequence z, kept on the moments'
     # shards, gathered beside the weights (training/step.py).
-    "schedule_free_adamw": Optimizer(_schedule_free_adamw, _nothing_sent, _no_flops, gathered=2),
+    "schedule_free_adamw": Optimizer(_schedule_free_adamw, _nothing_sent, _no_flops, gathered=2,
+                                     check=_check_schedule_free),
 }
+
+
+def registered(name: str) -> Optimizer:
+  """OPTIMIZERS' entry for optimizer.name `name`, refused in one line where there is none."""
+  if name not in OPTIMIZERS:
+    raise ValueError(f"optimizer.name={name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
+  return OPTIMIZERS[name]
+
+
 MUP_OPTIMIZERS = ("adamw", "adam", "adam_l2")  # muP's learning-rate scaling (model/mup.py) is Adam's
 
 
@@ -134,7 +144,10 @@ def parameter_kind(path) -> str:
 
 def decay_mask(params, config):
   """True where weight decay applies: matrices always, embeddings and vectors (biases, gains) if asked."""
-  opt = config.optimizer
+  return _decay_mask(params, config.optimizer)
+
+
+def _decay_mask(params, opt):
   decays = {"matrix": True, "embedding": opt.decay_embeddings, "vector": opt.decay_1d}
   return jax.tree_util.tree_map_with_path(lambda path, _: decays[parameter_kind(path)], params)
 
@@ -148,14 +161,13 @@ def make_optimizer(config, params, logical=None, mesh=None, moment_rules=None) -
   """
   opt = config.optimizer
   lr = learning_rate(config)
-  mask = decay_mask(params, config)
   if config.mup.base_width and opt.name not in MUP_OPTIMIZERS:
     raise ValueError(f"mup.base_width={config.mup.base_width} scales Adam's learning rates; optimizer.name="
                      f"{opt.name!r} would need its own (muP's SGD and Muon scalings are not built): use one of "
                      f"{', '.join(MUP_OPTIMIZERS)}, or leave mup.base_width at 0.")
-  if opt.name not in OPTIMIZERS:
-    raise ValueError(f"optimizer.name={opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}.")
-  rule = OPTIMIZERS[opt.name].rule(config, lr, mask, params, logical, mesh, moment_rules)
+  entry = registered(opt.name)
+  entry.check(config)
+  rule = entry.rule(opt, lr, lambda p: _decay_mask(p, opt), params, logical, mesh, moment_rules)
   if config.mup.base_width:
     rule = optax.chain(rule, _scaled_by(mup.learning_rate_factors(
         params, logical, config.model.embed_dim / config.mup.base_width)))
@@ -192,11 +204,12 @@ def stored_as(dtype, inner: optax.GradientTransformation) -> optax.GradientTrans
   return optax.GradientTransformation(lambda params: narrow(inner.init(params)), update)
 
 
-def state_bytes(config, weights: list[Weight]) -> list[int]:
-  """Bytes of optimizer state each weight keeps per element of its own (Adam's m and v, Muon's momentum,
-  schedule-free's z...), read off the abstract state of the optimizer `config` builds for them
-  (jax.eval_shape of its init: nothing allocated). A state leaf is the weight's whose tree path its own
-  ends in, with the weight's shape, as training/state.py lays the moments out."""
+def state_bytes(opt, moments: str, weights: list[Weight]) -> list[int]:
+  """Bytes of state optimizer `opt` (config.optimizer), its moments stored in `moments`, keeps per element of
+  each weight (Adam's m and v, Muon's momentum, schedule-free's z...), read off the abstract state of its
+  rule (jax.eval_shape of its init: nothing allocated; clipping and muP's scaling keep none). A state leaf
+  is the weight's whose tree path its own ends in, with the weight's shape, as training/state.py lays the
+  moments out."""
   params, logical = {}, {}
   for w in weights:
     *parents, last = w.path
@@ -204,7 +217,8 @@ def state_bytes(config, weights: list[Weight]) -> list[int]:
     for key in parents:
       params_node, logical_node = params_node.setdefault(key, {}), logical_node.setdefault(key, {})
     params_node[last], logical_node[last] = jax.ShapeDtypeStruct(w.shape, jnp.float32), PartitionSpec(*w.axes)
-  state = jax.eval_shape(make_optimizer(config, params, logical).init, params)
+  rule = registered(opt.name).rule(opt, 0.0, lambda p: _decay_mask(p, opt), params, logical, None, None)
+  state = jax.eval_shape((stored_as(jnp.bfloat16, rule) if moments == "bfloat16" else rule).init, params)
   owner_of = {w.path: i for i, w in enumerate(weights)}
   per_element = [0] * len(weights)
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):

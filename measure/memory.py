@@ -1,0 +1,40 @@
+"""What a train step holds per device, by arithmetic: float32 parameters and gradients, the optimizer's state
+(read off the optimizer itself, training/optimizer.py `state_bytes`), the batch, and the activations kept for
+the backward pass (measure/activations.py); each sized by the rules table (parallel/rules.py) the run shards
+with. Nothing is compiled or allocated."""
+
+from measure.activations import activations
+from measure.sizes import dims, run_of
+from parallel import rules
+from parallel.costs import INT32_BYTES, MASTER_BYTES, Weight, shard_elements
+from parallel.mesh import DATA, EXPERT
+from training import optimizer
+
+
+def memory(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
+  """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
+  run = run_of(run)
+  zero, axis, d = run.sharding.zero, rules.fsdp_axis(run.sharding), dims(run, mesh)
+  params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
+  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * state
+                for w, state in zip(weights, optimizer_state_bytes(run, weights)))
+  local_batch = run.batch_size // (mesh[DATA] * mesh[EXPERT])
+  # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
+  return {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1),
+          "opt_state": moments,
+          "batch": 2 * local_batch * d.length * INT32_BYTES,
+          "activations": activations(run, d, weights)}
+
+
+# The planner asks the same optimizer of the same weights on thousands of layouts.
+_STATE_BYTES = {}
+
+
+def optimizer_state_bytes(run, weights: list[Weight]) -> list[int]:
+  """training/optimizer.py `state_bytes`: what the optimizer keeps per element of each weight, read off its
+  abstract state once per update rule (its name), moments' dtype and model."""
+  run = run_of(run)
+  key = (run.optimizer.name, run.moments, tuple(weights))
+  if key not in _STATE_BYTES:
+    _STATE_BYTES[key] = optimizer.state_bytes(run.optimizer, run.moments, weights)
+  return _STATE_BYTES[key]

@@ -1,0 +1,167 @@
+"""What one device works on in a train step, as the estimator's modules all read it: the run's settings as
+one frozen record (`Run`, which the planner varies layout by layout), the per-device sizes (parallel/costs.py
+Dims) of a run on a mesh, how often its layers run, what a pipeline stage holds at once, which weights are
+matrices and which is the head, and the registered optimizer's costs' arguments."""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from model import moe
+from model.config import VOCAB_MULTIPLE, ModelConfig
+from model.transformer import chunk_count, chunk_positions
+from parallel import context, rules, schedules
+from parallel.costs import Dims, Weight
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from training import optimizer
+from training.state import model_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  schedule: str
+  microbatches: int
+  virtual_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  zero: int
+  fsdp_group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  context: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What the estimator reads of a run beside its weights and mesh, read once from a config (`run_of`): the
+  model, the batch, the layout's settings (named as the config's keys, so the planner sets them by key) and
+  the optimizer."""
+  model: ModelConfig
+  batch_size: int
+  grad_accum: int
+  attention: Attention
+  pipeline: Pipeline
+  sharding: Sharding
+  optimizer: Any  # config.optimizer, which its registered costs read (training/optimizer.py)
+  moments: str  # precision.moments
+
+
+def run_of(config) -> Run:
+  """The Run of a config (or the Run given)."""
+  if isinstance(config, Run):
+    return config
+  p = config.pipeline
+  return Run(model=model_config(config), batch_size=config.batch_size, grad_accum=config.grad_accum,
+             attention=Attention(config.attention.context),
+             pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages),
+             sharding=Sharding(config.sharding.zero, config.sharding.fsdp_group), optimizer=config.optimizer,
+             moments=config.precision.moments)
+
+
+def replaced(run: Run, flags: dict) -> Run:
+  """`run` with `flags` (dotted config keys) set; the mesh's keys are left to the mesh the estimate is given."""
+  top, sections = {}, {}
+  for key, value in flags.items():
+    section, _, field = key.rpartition(".")
+    if section == "mesh":
+      continue
+    if section:
+      sections.setdefault(section, {})[field] = value
+    else:
+      top[field] = value
+  return dataclasses.replace(run, **top, **{section: dataclasses.replace(getattr(run, section), **fields)
+                                            for section, fields in sections.items()})
+
+
+def expert_slots(model: ModelConfig, length: int) -> int:
+  """Capacity slots per expert for a sequence of `length`, as model/moe.py sizes them."""
+  return moe.slots(length, model.num_experts, model.moe_top_k, model.moe_capacity_factor, model.moe_dropless)
+
+
+def dims(run, mesh: dict) -> Dims:
+  """The sizes one device works on in `run` (a Run or a config) on `mesh` (axis sizes after hybrid sharding)."""
+  run = run_of(run)
+  m, tensor = run.model, mesh[TENSOR]
+  micro = schedules.micro_batches(run, mesh[PIPELINE])
+  padded_vocab = -(-m.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  batch = run.batch_size // micro // (mesh[DATA] * mesh[EXPERT])
+  strategy, length = run.attention.context if mesh[SEQUENCE] > 1 else "none", m.max_len // mesh[SEQUENCE]
+  # Each query scores the whole sequence, except where the keys visit a block at a time; then attention
+  # keeps no scores for its backward pass, as it does past one block (model/attention.py).
+  keys = length if context.visiting(strategy) else m.max_len
+  return Dims(mesh=mesh, batch=batch, length=length, full_length=m.max_len, keys=keys,
+              blockwise=context.visiting(strategy) or max(length, keys) > m.attention_block, embed=m.embed_dim,
+              mlp=m.mlp_dim // tensor, heads=m.num_heads // tensor,
+              kv_heads=(m.kv_heads or m.num_heads) // tensor,
+              head_dim=getattr(m, "head_width", 0) or m.embed_dim // m.num_heads,
+              vocab=padded_vocab // tensor, compute_bytes=compute_bytes(run),
+              context=strategy,
+              attention_block=m.attention_block,
+              loss_positions=m.max_len // mesh[SEQUENCE] // chunk_count(
+                  m.max_len, chunk_positions(m.loss_chunk, batch, mesh[SEQUENCE])),
+              mlp_chunks=chunk_count(m.max_len, chunk_positions(m.mlp_chunk, batch, mesh[SEQUENCE])) if m.mlp_chunk else 1)
+
+
+def compute_bytes(run) -> int:
+  """Bytes per activation value: float8 multiplies in fp8 but keeps its activations in bfloat16."""
+  run = run_of(run)
+  return np.dtype(run.model.dtype).itemsize
+
+
+def layer_passes(run, mesh) -> tuple[int, int]:
+  """(forward, backward) runs of one device's layers per step, counted in micro-batches.
+
+  Recomputation (a remat policy) runs the forward again.
+  """
+  run = run_of(run)
+  # A pipeline stage runs each micro-batch once; its idle ticks are skipped (lax.cond), except where the
+  # context strategy's keys visit (the ring): every device runs its hops together, so there a stage
+  # computes on every tick of its slots.
+  forward = schedules.micro_batches(run, mesh[PIPELINE])
+  if mesh[PIPELINE] > 1 and mesh[SEQUENCE] > 1 and context.visiting(run.attention.context):
+    p = run.pipeline
+    ((ticks, busy),) = schedules.busy_slots(p.schedule, stages=mesh[PIPELINE], micro=p.microbatches,
+                                            virtual=schedules.virtual_stages(p)).items()
+    forward = forward * ticks // busy
+  backward = forward
+  return forward * (2 if run.model.remat in ("full", "full_offload") else 1), backward
+
+
+def held_layers(run, mesh: dict) -> tuple[int, int]:
+  """(copies, layers): how many micro-batches' residuals a device holds at once, each for this many
+  layers. One without a pipeline; 1F1B's stash slots; GPipe's and the interleaved schedule's every
+  tick of the stage loop, each for the layers of one virtual stage."""
+  run = run_of(run)
+  layers, stages = run.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
+  if stages == 1:
+    return 1, layers
+  p, virtual = run.pipeline, schedules.virtual_stages(run.pipeline)
+  return schedules.SCHEDULES[p.schedule].held(stages=stages, micro=p.microbatches, virtual=virtual), layers // virtual
+
+
+def is_matrix(w: Weight) -> bool:
+  """A weight the tokens multiply: an `embed` axis and another beside `layers` and `expert` (not a bias or norm)."""
+  return "embed" in w.axes and any(a not in ("embed", "layers", "expert") for a in w.axes)
+
+
+def head_weights(run, weights) -> list[Weight]:
+  """The logits' weight: GPT-2's tied token table (vocab, embed), Llama's (embed, vocab) head; a lookup is no matmul."""
+  run = run_of(run)
+  axes = ("vocab", "embed") if run.model.traits.tied_head else ("embed", "vocab")
+  return [w for w in weights if w.axes == axes]
+
+
+def optimizer_of(run) -> optimizer.Optimizer:
+  run = run_of(run)
+  return optimizer.registered(run.optimizer.name)
+
+
+def optimizer_costs(run, mesh, weights) -> tuple:
+  """The arguments of the optimizer's costs (training/optimizer.py Optimizer)."""
+  run = run_of(run)
+  return run.optimizer, rules.optimizer_rules(run.sharding.zero, rules.fsdp_axis(run.sharding)), mesh, weights
