@@ -26,6 +26,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 
 from configs.base import base
+from configs.load import set_fields
 from input_pipeline.tokenizer import checkpoint_tokenizer
 from interop.hf_checkpoint import open_init_from
 from model.families import FAMILIES
@@ -158,7 +159,7 @@ def from_hf(init_from: str, mesh_sizes: dict | None = None, compute: str | None 
                      "tokenizer beside it (save_pretrained) or evaluate a meshlm run with --workdir.")
   config, checkpoint = base(), open_init_from(init_from)
   config.init_from = init_from
-  checkpoint.configure(config)
+  set_fields(config, checkpoint.model_fields(config))
   if tokenizer.vocab_size > config.model.vocab_size:  # as train.py refuses token data of a larger vocabulary
     raise ValueError(f"{init_from}'s tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
                      f"of {config.model.vocab_size} (config.json's vocab_size), and the ids past "

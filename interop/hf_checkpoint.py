@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directories in and out: read straight onto the mesh, write for `from_pretrained`.
 
-Import (`--config.init_from=hf:DIR`) reads config.json into `config.model`,
-checks every tensor's name and shape against it, then places each weight with
+Import (`--config.init_from=hf:DIR`) reads config.json as `config.model` fields,
+checks every tensor's name and shape against the model they make, then places each weight with
 `jax.make_array_from_callback`: every device's block is read on its own from
 the memory-mapped safetensors files (safetensors' numpy API reads only the
 slice asked for), so no device ever holds more than its shard, and the host
@@ -25,6 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from configs.load import set_fields
 from interop import hf_mapping
 from model.config import ModelConfig
 from model.transformer import STACKED
@@ -44,12 +45,11 @@ class HFCheckpoint:
     self.directory, self.fields, self.tied, self.context = directory, fields, tied, context
     self.files, self.shapes = files, shapes  # tensor name -> its safetensors file, its shape
 
-  def configure(self, config) -> None:
-    """Give `config.model` the checkpoint's shape, and refuse tensors that do not fit it."""
-    for field, value in self.fields.items():  # config.model's, and config.moe's as "moe.NAME"
-      section, _, name = field.rpartition(".")
-      config[section or "model"][name] = value
-    cfg = model_config(config)
+  def model_fields(self, config) -> dict:
+    """The model record the checkpoint decides: its shape as dotted config fields ("model.NAME", and
+    "moe.NAME" for the experts), refusing tensors that do not fit it; `config` is left as it was."""
+    fields = {field if "." in field else f"model.{field}": value for field, value in self.fields.items()}
+    cfg = model_config(set_fields(config.copy_and_resolve_references(), fields))
     for name, shape in _expected_shapes(cfg, self.tied).items():
       stored = self._stored_name(name)
       if stored is None:
@@ -57,6 +57,7 @@ class HFCheckpoint:
       if self.shapes[stored] != shape:
         raise ValueError(f"{self.directory} holds {stored} with shape {self.shapes[stored]}, but its "
                          f"config.json declares {shape}.")
+    return fields
 
   def describe(self, cfg: ModelConfig) -> str:
     experts = f", {cfg.num_experts} experts (top {cfg.moe_top_k})" if cfg.num_experts else ""

@@ -20,9 +20,11 @@ COMPILED_FLOPS = "compiled: dots of the partitioned program, loops times trips, 
 COST_ANALYSIS = "compiled: cost_analysis() (counts each loop body once)"
 
 
-def compile_partitioned_train_step(layout: Layout, config):
-  """The compiled step and its HLO before the backend's passes (analysis.compile_partitioned)."""
-  return analysis.compile_partitioned(make_train_step(layout, config).lower(*abstract_inputs(layout, config)))
+def compile_partitioned_train_step(layout: Layout, config, weighted: bool = False):
+  """The compiled step and its HLO before the backend's passes (analysis.compile_partitioned); batches with
+  loss weights where `weighted`."""
+  lowered = make_train_step(layout, config).lower(*abstract_inputs(layout, config, weighted))
+  return analysis.compile_partitioned(lowered)
 
 
 def busy_slots(config, mesh: dict) -> dict[int, int]:
@@ -131,9 +133,10 @@ def saved_section(layout: Layout, config, compiled) -> str:
       tensor=mesh[TENSOR])
 
 
-def report(layout: Layout, config) -> str:
-  """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective."""
-  compiled, partitioned = compile_partitioned_train_step(layout, config)
+def report(layout: Layout, config, weighted: bool = False) -> str:
+  """Parameter count, estimated beside compiled per-device memory, collective bytes and FLOPs, and each collective
+  (of the step on batches with loss weights where `weighted`)."""
+  compiled, partitioned = compile_partitioned_train_step(layout, config, weighted)
   busy = busy_slots(config, dict(layout.mesh.shape))
   slow = slow_tier_shape(config.mesh, dict(layout.mesh.shape))
   found = analysis.collectives(compiled, layout.mesh, partitioned, busy, slow)

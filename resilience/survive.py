@@ -146,7 +146,8 @@ class Survivor:
     `resume_advice()`: what a refusal to go on tells the user to do (the checkpoint there is, if any)."""
     self._split = split
     self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
-    self._compile_steps = compile_steps or compiled_steps  # (layout, config) -> (train step, eval step)
+    # (layout, config) -> (train step, eval step), on batches with loss weights where the data has loss masks.
+    self._compile_steps = compile_steps or functools.partial(compiled_steps, weighted=split.mask is not None)
     self._resume_advice = resume_advice
     self._all_devices = list(layout.mesh.devices.flat)
     self._first = config, dict(layout.mesh.shape)  # what a mesh grown back to every device runs
@@ -352,18 +353,19 @@ class Survivor:
 
 class SurvivingStepper(Stepper):
   """The loop's steps in survive mode, a Survivor's; a process started again (`state` None) rejoins
-  the run in progress here and takes its state from a live replica."""
+  the run in progress here and takes its state from a live replica. Where the run's processes change,
+  its `checkpoints` (SurvivingCheckpoints) save with the live ones from that step on."""
 
-  def __init__(self, config, layout: Layout, state: dict | None, train_split, val_split, stop, resume_advice):
+  def __init__(self, config, layout: Layout, state: dict | None, train_split, val_split, stop, checkpoints):
     # Each live-device count compiles once per machine: a shrink met again (or a restart) reads it back.
     if not jax.config.jax_compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", os.path.join(config.workdir, "compilation_cache"))
     self._survivor = Survivor(config, layout, train_split,
                               evaluate=functools.partial(eval_loss, split=val_split, config=config),
                               eval_due=functools.partial(eval_due, config), joining=state is None,
-                              resume_advice=resume_advice)
+                              resume_advice=checkpoints.resume_advice)
     # What the first step tells of the time before it: on a process started again, that it rejoined.
-    self._stop, self._first_tells = stop, Interruptions()
+    self._stop, self._checkpoints, self._first_tells = stop, checkpoints, Interruptions()
     if state is None:
       state, self._first_tells = self._survivor.rejoin(abstract_inputs(layout, config)[0])
     self.state = state
@@ -376,6 +378,8 @@ class SurvivingStepper(Stepper):
   def steps(self) -> Iterator[StepDone]:
     for done in self._survivor.steps(self.state, int(self.state["step"]), self._stop, self._first_tells):
       self.state = done.state
+      if any(event.changes_processes for event in done.events):
+        self._checkpoints.reopen_for(processes_of(self.layout), step=done.step)
       yield done
 
   def evaluate(self, done: StepDone) -> float:
@@ -389,11 +393,12 @@ def processes_of(layout: Layout) -> set[int]:
   return {device.process_index for device in layout.mesh.devices.flat}
 
 
-def compiled_steps(layout: Layout, config):
+def compiled_steps(layout: Layout, config, weighted: bool = False):
   """The train step (keeping its input: a failed step is redone from it) and the eval step, both
   compiled now: a process compiling inside a step's block would keep the others waiting in its
-  collectives, and a wait past their patience (parallel/distributed.py) fails the run."""
-  state, batch = abstract_inputs(layout, config)
+  collectives, and a wait past their patience (parallel/distributed.py) fails the run. Batches carry
+  loss weights where `weighted`."""
+  state, batch = abstract_inputs(layout, config, weighted)
   train_step = make_train_step(layout, config, donate=False).lower(state, batch).compile()
   return train_step, make_eval_step(layout).lower(state["params"], batch).compile() if config.eval_every else None
 

@@ -1,4 +1,5 @@
-"""The local stepper: steps on the mesh as planned (survive mode's stepper is resilience/survive.py's)."""
+"""The local stepper: steps on the mesh as planned (survive mode's stepper is resilience/survive.py's, which
+resilience/fault_tolerance.py chooses instead where it protects the run)."""
 
 import time
 from typing import Iterator
@@ -23,7 +24,7 @@ class LocalStepper(Stepper):
     self._config, self._train_split, self._val_split, self._stop = config, train_split, val_split, stop
     # Compiled ahead so the first interval's tokens/s leaves compilation out and the program's own
     # memory figure can be logged beside the losses.
-    self._train_step = compile_train_step(layout, config)
+    self._train_step = compile_train_step(layout, config, weighted=train_split.mask is not None)
     self._eval_step = make_eval_step(layout)
     self.peak_bytes = analysis.memory_summary(self._train_step)["peak_bytes"]
     self._profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)

@@ -8,8 +8,9 @@ import pytest
 
 from helpers import read_metrics, tiny_config
 from input_pipeline import data
+from resilience import fault_tolerance
 from resilience.preemption import StopRequests
-from run import loop
+from run import loop, resume
 from run.loop import train
 from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, plan
@@ -58,7 +59,7 @@ def straight_run(tmp_path_factory):
   """20 steps in one go on data=8, and its state at step 10 as the training loop handed it to be saved."""
   workdir, state_at_10 = tmp_path_factory.mktemp("straight"), {}
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(loop, "Checkpoints", keeping_state_at(RESTORED_STEP, state_at_10))
+    patch.setattr(fault_tolerance, "Checkpoints", keeping_state_at(RESTORED_STEP, state_at_10))
     train(config_for(workdir, **{"mesh.data": 8}))
   return workdir, state_at_10
 
@@ -129,7 +130,7 @@ def test_resuming_with_bfloat16_moments_casts_the_saved_ones(straight_run, tmp_p
   layout = plan(config)
   checkpoints = Checkpoints(str(workdir), every=10, keep=3)
   try:
-    state = loop._restore_good(checkpoints, RESTORED_STEP, abstract_inputs(layout, config)[0])
+    state = resume.restore_good(checkpoints, RESTORED_STEP, abstract_inputs(layout, config)[0])
   finally:
     checkpoints.close()
   moments = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])

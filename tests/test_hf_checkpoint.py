@@ -24,6 +24,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
+from configs.load import set_fields
 from helpers import ROOT, assert_tree_close, batch_at, gradients, read_metrics, run_reference, tiny_config
 from input_pipeline import data
 from interop import hf_checkpoint, hf_mapping
@@ -112,7 +113,7 @@ def imported(directory, devices, **overrides):
   """The config and layout an hf: directory sets up, and its weights placed on `devices`."""
   config = tiny_config(init_from=f"hf:{directory}", **overrides)
   pretrained = hf_checkpoint.open_init_from(config.init_from)
-  pretrained.configure(config)
+  config = set_fields(config, pretrained.model_fields(config))
   layout = plan(config, devices)
   return config, layout, pretrained.load_params(layout)
 

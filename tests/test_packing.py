@@ -10,6 +10,7 @@ from helpers import LLAMA, assert_tree_close, loss_and_gradients, qkv, tiny_conf
 from model.attention import attention_block, blockwise_attention
 from model.transformer import document_ids, document_positions, token_losses
 from run.loop import train
+from training.checkpoint import Checkpoints
 from training.state import build_model, model_config
 
 END = 10  # the byte tokenizer's end of text ("\n"), which ends each line of the built-in corpus
@@ -94,4 +95,7 @@ def test_data_segments_ends_documents_at_the_tokenizers_end_of_text(tmp_path):
   config = tiny_config(**{"data.segments": True, "steps": 2, "workdir": str(tmp_path), "eval_every": 0,
                           "sample_tokens": 0, "mesh.data": 8})
   metrics = train(config)
-  assert config.model.document_end == END and np.isfinite(metrics["loss"]), metrics
+  checkpoints = Checkpoints(config.workdir, every=0, keep=None)
+  document_end = checkpoints.stored_config(2)["model"]["document_end"]  # the model the run trained and saved
+  checkpoints.close()
+  assert document_end == END and np.isfinite(metrics["loss"]), metrics

@@ -30,14 +30,10 @@ from training.fingerprint import fingerprints
 class Checkpoints:
   """The checkpoints of one workdir."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int | None, joining: bool = False,
-               tokenizer: dict | None = None, data: dict | None = None, surviving_log=None):
-    """`keep` None keeps all (validate.py asks for >= 1). A process `joining` a run in progress opens
-    the checkpoints with the others, in `reopen_for`: opening lines up every process at a barrier.
-    `tokenizer` (tokenizer_record) and `data` (data_record) are saved with each checkpoint; None saves
-    none. `surviving_log`
-    (a surviving run's): a save that a lost process broke is told to it in a line, and the run goes on."""
-    self._surviving_log = surviving_log
+  def __init__(self, workdir: str, *, every: int, keep: int | None, tokenizer: dict | None = None,
+               data: dict | None = None):
+    """`keep` None keeps all (validate.py asks for >= 1). `tokenizer` (tokenizer_record) and `data`
+    (data_record) are saved with each checkpoint; None saves none."""
     self.directory = Path(workdir).resolve() / "checkpoints"
     self.every = every
     self._tokenizer, self._data = tokenizer, data
@@ -47,30 +43,18 @@ class Checkpoints:
     logging.getLogger("absl").addFilter(_QUIET_FAILED_SAVES)  # orbax logs through absl
     # A failed save's serialization task, garbage-collected at any later time, even at exit.
     logging.getLogger("asyncio").addFilter(_QUIET_FAILED_SAVES)
-    self._manager = None if joining else self._open(processes=None)
+    self._manager = self._open()
 
-  def _open(self, processes: set[int] | None, since: int = 0) -> ocp.CheckpointManager:
-    """A manager whose saves line up `processes` (all by default) at orbax's barriers; `since` (the
-    step of the change) keeps their barrier names apart from an earlier manager's over the same processes."""
-    multiprocessing = ocp.options.MultiprocessingOptions(
-        primary_host=0, active_processes=processes,
-        barrier_sync_key_prefix=None if processes is None else
-        "live-" + "-".join(map(str, sorted(processes))) + f"-since-{since}")
-    options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=False, enable_async_checkpointing=True,
-                                           multiprocessing_options=multiprocessing)
+  def _open(self, multiprocessing: ocp.options.MultiprocessingOptions | None = None) -> ocp.CheckpointManager:
+    """A manager whose saves line up the processes `multiprocessing` names at orbax's barriers (all by default)."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=self._keep, create=False, enable_async_checkpointing=True,
+        multiprocessing_options=multiprocessing or ocp.options.MultiprocessingOptions())
     return ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
                        "fingerprints": ocp.JsonCheckpointHandler(), "tokenizer": ocp.JsonCheckpointHandler(),
                        "data": ocp.JsonCheckpointHandler()})
-
-  def reopen_for(self, processes: set[int], step: int) -> None:
-    """Save with `processes` from `step` on, after some were lost or came back (fault_tolerance=survive).
-
-    The old manager is dropped unclosed: closing waits at barriers that the lost processes
-    would never reach. Its saves had finished: a failed step is redone before any save.
-    """
-    self._manager = self._open(processes, since=step)
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -108,8 +92,8 @@ class Checkpoints:
     """Start an async save when `step` is due (or forced); returns once the arrays are copied."""
     # The schedule is decided here, not by orbax, whose default also saves the first step.
     due = force or (self.every > 0 and step % self.every == 0)
-    # A step already saved is kept: a surviving run that rolled back to a peer copy redoes steps it
-    # may have saved, and their redone state is the same (batch `s` is a pure function of (seed, s)).
+    # A step already saved is kept: a run that rolls back redoes steps it may have saved, and their
+    # redone state is the same (batch `s` is a pure function of (seed, s)).
     if not due or step in self._manager.all_steps():
       return
     self.directory.mkdir(parents=True, exist_ok=True)
@@ -117,7 +101,7 @@ class Checkpoints:
     # Orbax also raises an earlier async save's error here; the fingerprints of a state sharded over
     # processes are sums across them, which a lost process fails too.
     with self._reporting_failed_saves():
-      items = {"state": ocp.args.StandardSave(_savable(state)), "config": ocp.args.JsonSave(config.to_dict()),
+      items = {"state": ocp.args.StandardSave(self._savable(state)), "config": ocp.args.JsonSave(config.to_dict()),
                "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
       if self._tokenizer is not None:
         items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
@@ -147,11 +131,7 @@ class Checkpoints:
       if free < needed or _out_of_space(error):
         advice = (f"one needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. {newest}: "
                   f"make room, then run the same command to {resume}.")
-      elif _lost_process(error) and self._surviving_log:
-        # The survivors recover from the state in memory; the save is left as a temporary folder,
-        # and the checkpoints already saved stay as they were.
-        self._surviving_log(f"a process was lost during a checkpoint save ({_first_line(error)}); the save was "
-                            f"abandoned and the run goes on. {newest}.")
+      elif _lost_process(error) and self._abandoned(_first_line(error), newest):
         return
       elif _lost_process(error):
         advice = (f"another process of the run was lost during the save ({free / 2**20:.0f} MiB are free: not a "
@@ -160,6 +140,16 @@ class Checkpoints:
         advice = (f"{free / 2**20:.0f} MiB are free: not a full disk. {newest}: put right what the error "
                   f"names, then run the same command to {resume}.")
       raise ValueError(f"saving a checkpoint into {self.directory} failed ({_first_line(error)}); {advice}") from None
+
+  def _savable(self, state):
+    """`state` as orbax is given it to save."""
+    return state
+
+  def _abandoned(self, failure: str, newest: str) -> bool:
+    """Whether a save that a lost process broke (`failure`, in one line; `newest`: the newest checkpoint
+    saved, in words) is abandoned while the run goes on: here never, and the run ends."""
+    del failure, newest
+    return False
 
   def save_now(self, step: int, state, config) -> None:
     """Save `step` whatever the schedule and wait until it is on disk (before stopping a run)."""
@@ -262,7 +252,7 @@ class Checkpoints:
   def close(self) -> None:
     try:
       with self._reporting_failed_saves():  # closing waits for the last async save, which may fail
-        if self._manager is not None:  # None: a joining process that never joined
+        if self._manager is not None:  # None: opened later by a subclass, and not yet
           self._manager.close()
     finally:
       logging.getLogger("absl").removeFilter(_QUIET_FAILED_SAVES)
@@ -352,16 +342,6 @@ def _written_with_a_first_moment(where: str, extra: list[str]) -> str:
 def _weights_first(names) -> list[str]:
   """Leaf names with the params first: the leaf a user recognises is the one to name."""
   return sorted(names, key=lambda n: not n.startswith("params"))
-
-
-def _savable(state):
-  """`state` as orbax will save it. A surviving run shrunk to process 0 alone holds every array on that
-  process's devices while the run still counts the lost processes, and orbax refuses such arrays in a
-  run of several processes (it takes them for pmap's host-local ones); as host arrays they are saved
-  by process 0, the one left, and restore onto any mesh like the others."""
-  if jax.process_count() == 1:
-    return state
-  return jax.tree.map(lambda leaf: jax.device_get(leaf) if leaf.is_fully_addressable else leaf, state)
 
 
 def _named_fingerprints(state) -> dict[str, int]:

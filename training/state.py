@@ -160,11 +160,11 @@ def active_param_count(layout: Layout) -> int:
   return param_count(layout) - layout.model.idle_expert_params
 
 
-def abstract_inputs(layout: Layout, config):
-  """ShapeDtypeStructs carrying shardings for the state and one batch (with loss weights where the data has
-  loss masks: config.data.loss_mask)."""
+def abstract_inputs(layout: Layout, config, weighted: bool = False):
+  """ShapeDtypeStructs carrying shardings for the state and one batch (with loss weights where `weighted`:
+  the data has loss masks, its split's `mask`)."""
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        layout.abstract_state, layout.state_shardings)
   batch = {name: jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), dtype, sharding=layout.batch_sharding)
            for name, dtype in (("inputs", "int32"), ("targets", "int32"), ("weights", "float32"))}
-  return state, batch if config.data.get("loss_mask") else {k: v for k, v in batch.items() if k != "weights"}
+  return state, batch if weighted else {k: v for k, v in batch.items() if k != "weights"}

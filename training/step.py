@@ -180,6 +180,7 @@ def make_eval_step(layout: Layout):
                  out_shardings=layout.replicated())
 
 
-def compile_train_step(layout: Layout, config):
-  """The train step compiled ahead for `layout`, from abstract inputs: nothing is allocated."""
-  return make_train_step(layout, config).lower(*abstract_inputs(layout, config)).compile()
+def compile_train_step(layout: Layout, config, weighted: bool = False):
+  """The train step compiled ahead for `layout`, from abstract inputs (batches with loss weights where
+  `weighted`): nothing is allocated."""
+  return make_train_step(layout, config).lower(*abstract_inputs(layout, config, weighted)).compile()

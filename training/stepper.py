@@ -3,7 +3,7 @@
 
 The local stepper, which steps on the mesh as planned, is run/local_stepper.py's `LocalStepper`;
 survive mode's, which outlives a lost process and takes back one started again, is
-resilience/survive.py's `SurvivingStepper`.
+resilience/survive.py's `SurvivingStepper`; resilience/fault_tolerance.py chooses between them.
 """
 
 import abc
@@ -19,7 +19,6 @@ from training.state import Layout
 
 class Event(Protocol):
   """Something that befell the run's processes before a step: its metrics record and its log line."""
-  changes_processes: bool  # the run's processes changed: saves line up the live ones from here
 
   def record(self) -> dict: ...
 
