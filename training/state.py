@@ -23,6 +23,7 @@ from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
 from training.optimizer import make_optimizer
 
+
 def model_config(config) -> ModelConfig:
   """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
   experts' settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
