@@ -193,8 +193,5 @@ def base() -> ml_collections.ConfigDict:
   c.data.source = "builtin"  # builtin | tokens | synthetic
   c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py
   c.data.segments = False  # packed documents: attention stops at the tokenizer's end-of-text (model.document_end)
-  # Set by the run from the token folder: it holds loss masks (tools/prepare.py --completion_field), so each
-  # batch carries per-token loss weights and the loss scores the completions' tokens only.
-  c.data.loss_mask = False
   c.data.prefetch = 2  # batches built ahead on a background thread
   return c

@@ -42,6 +42,12 @@ def set_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collection
   return config
 
 
+def with_fields(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
+  """A copy of `config` with the dotted `fields` set, the config it came from left as it was: what a run
+  decides after loading (an imported checkpoint's shape) is a new config, never a write into a loaded one."""
+  return set_fields(config.copy_and_resolve_references(), fields)
+
+
 def restored(stored: dict, fields: dict) -> ml_collections.ConfigDict:
   """A saved run's `stored` config over configs/base.py's (fields added since it was saved keep their
   defaults), then the dotted `fields` (a mesh or precision to read it with)."""

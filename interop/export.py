@@ -5,7 +5,7 @@ from pathlib import Path
 
 import jax
 
-from configs.base import base
+from configs.load import restored
 from input_pipeline.token_files import read_meta
 from input_pipeline.tokenizer import HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name
 from interop import hf_checkpoint
@@ -26,10 +26,8 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str = "flo
     step = steps[-1] if step is None else step
     if step not in steps:
       raise ValueError(f"{checkpoints.directory} holds no step {step} (it holds {steps}).")
-    config = base()
-    config.update(checkpoints.stored_config(step))
-    for axis in AXES:  # the parameters only need to fit one host
-      config.mesh[axis] = 1
+    # The parameters only need to fit one host.
+    config = restored(checkpoints.stored_config(step), {f"mesh.{axis}": 1 for axis in AXES})
     layout = plan(config, jax.devices("cpu")[:1])
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             layout.abstract_state["params"], layout.param_shardings)

@@ -157,9 +157,9 @@ def from_hf(init_from: str, mesh_sizes: dict | None = None, compute: str | None 
   if tokenizer is None:
     raise ValueError(f"{init_from} holds no tokenizer.json, and the harness's tasks are text; save the model's "
                      "tokenizer beside it (save_pretrained) or evaluate a meshlm run with --workdir.")
-  config, checkpoint = base(), open_init_from(init_from)
-  config.init_from = init_from
-  set_fields(config, checkpoint.model_fields(config))
+  checkpoint = open_init_from(init_from)
+  config = set_fields(base(), {"init_from": init_from})
+  config = set_fields(config, checkpoint.model_fields(config))
   if tokenizer.vocab_size > config.model.vocab_size:  # as train.py refuses token data of a larger vocabulary
     raise ValueError(f"{init_from}'s tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
                      f"of {config.model.vocab_size} (config.json's vocab_size), and the ids past "
@@ -168,9 +168,9 @@ def from_hf(init_from: str, mesh_sizes: dict | None = None, compute: str | None 
   if max_len and not FAMILIES[config.model.family].rotary and max_len != config.model.max_len:
     raise ValueError(f"--max_len={max_len}: {init_from}'s learned positions are {config.model.max_len}; leave "
                      "--max_len out.")
-  config.model.max_len = max_len or checkpoint.context or config.model.max_len
-  config.mesh.update(mesh_sizes or {})
-  config.precision.compute = compute or config.precision.compute
+  config = set_fields(config, {"model.max_len": max_len or checkpoint.context or config.model.max_len,
+                               **{f"mesh.{axis}": size for axis, size in (mesh_sizes or {}).items()},
+                               **({"precision.compute": compute} if compute else {})})
   layout = plan(config)
   return config, layout, checkpoint.load_params(layout), tokenizer
 

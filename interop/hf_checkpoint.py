@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from configs.load import set_fields
+from configs.load import with_fields
 from interop import hf_mapping
 from model.config import ModelConfig
 from model.transformer import STACKED
@@ -49,7 +49,7 @@ class HFCheckpoint:
     """The model record the checkpoint decides: its shape as dotted config fields ("model.NAME", and
     "moe.NAME" for the experts), refusing tensors that do not fit it; `config` is left as it was."""
     fields = {field if "." in field else f"model.{field}": value for field, value in self.fields.items()}
-    cfg = model_config(set_fields(config.copy_and_resolve_references(), fields))
+    cfg = model_config(with_fields(config, fields))
     for name, shape in _expected_shapes(cfg, self.tied).items():
       stored = self._stored_name(name)
       if stored is None:

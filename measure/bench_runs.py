@@ -92,11 +92,9 @@ def build_config(spec: str, overrides: list[tuple[str, str]], *, batch: int | No
   config = load.load(base)
   for path, value in own + overrides:
     load.override(config, path, value)
-  config.data.source = "synthetic"  # the step is measured, not the data pipeline
-  config.model.max_len = seq_len
-  if batch:
-    config.batch_size = batch
-  return config
+  # The step is measured, not the data pipeline.
+  return load.set_fields(config, {"data.source": "synthetic", "model.max_len": seq_len,
+                                  **({"batch_size": batch} if batch else {})})
 
 
 def switched(spec: str, fields: list[str]) -> list[str]:

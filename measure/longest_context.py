@@ -1,7 +1,10 @@
 """The longest sequence whose per-device bytes, by measure/estimate.py, fit a device's memory, with every
 device on the `sequence` axis (tools/longest_context.py tabulates it, tools/longest_offload.py compiles it)."""
 
+import dataclasses
+
 from measure import estimate
+from measure.sizes import run_of
 
 STEP = 1024  # lengths searched in multiples of this (times the device count)
 
@@ -11,8 +14,9 @@ def sequence_mesh(devices: int) -> dict:
 
 
 def fits(config, length: int, devices: int, memory_bytes: int, weights) -> bool:
-  config.model.max_len = length
-  return sum(estimate.memory(config, sequence_mesh(devices), weights).values()) <= memory_bytes
+  run = run_of(config)  # a Run of the config at `length`, the config left as it was
+  run = dataclasses.replace(run, model=dataclasses.replace(run.model, max_len=length))
+  return sum(estimate.memory(run, sequence_mesh(devices), weights).values()) <= memory_bytes
 
 
 def longest(config, devices: int, memory_bytes: int, weights) -> int:

@@ -22,7 +22,7 @@ import itertools
 
 import ml_collections
 
-from configs.load import set_fields
+from configs.load import with_fields
 from measure import estimate, step_time
 from measure.hardware import Cluster
 from measure.sizes import Run, replaced, run_of
@@ -130,7 +130,7 @@ def configured(config, flags: dict):
   """`config` with `flags` (dotted keys) set: a ConfigDict for one, or a Run (measure/sizes.py) cheaply for the
   thousands of layouts the search scores, sharing every part no flag touches."""
   if isinstance(config, ml_collections.ConfigDict):
-    return set_fields(config.copy_and_resolve_references(), flags)
+    return with_fields(config, flags)
   return replaced(config, flags)
 
 

@@ -16,6 +16,7 @@ planner's best.
 """
 
 from configs import llama, megatron
+from configs.load import set_fields
 from measure import calibration, hardware, planner, step_time
 from measure.dry_run import model_weights
 
@@ -34,8 +35,7 @@ def paper_mesh(row: megatron.Row) -> dict:
 def megatron_row(name: str, achievable: float) -> dict:
   """The paper's mesh predicted (its settings chosen by the planner) and the planner's best, for one row."""
   row = megatron.ROWS[name]
-  config = megatron.get_config(name)
-  config.precision.compute = "bfloat16"
+  config = set_fields(megatron.get_config(name), {"precision.compute": "bfloat16"})
   cluster = hardware.cluster("a100", row.gpus)
   weights = model_weights(config)
   as_paper = {**paper_mesh(row), "sharding.zero": 0, "model.remat": "full"}
@@ -100,8 +100,8 @@ def megatron_table(names: list[str]) -> str:
 
 
 def llama_table() -> str:
-  config = llama.get_config("70b")
-  config.batch_size, config.model.max_len, config.precision.compute = 1024, 4096, "bfloat16"
+  config = set_fields(llama.get_config("70b"), {"batch_size": 1024, "model.max_len": 4096,
+                                               "precision.compute": "bfloat16"})
   cluster = hardware.cluster("tpu_v5p", 8192, fast_group=8192)
   weights = model_weights(config)
   achievable = calibration.achievable_fraction("tpu_v5p")

@@ -241,8 +241,7 @@ def check_runs(recipe: Recipe, out: Path) -> None:
   a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
   for the run itself, which sees its own devices."""
   for fields in recipe.runs():
-    config = load.load(recipe.config)
-    config.workdir = str(out / run_name(fields))  # as `sweep` gives each run its own
+    config = load.set_fields(load.load(recipe.config), {"workdir": str(out / run_name(fields))})  # as `sweep` gives each run its own
     try:
       for field, value in {**recipe.fixed, **fields}.items():
         load.override(config, field, str(value))

@@ -8,7 +8,7 @@ import time
 import jax
 from tqdm import tqdm
 
-from configs.load import set_fields
+from configs.load import with_fields
 from input_pipeline import data
 from input_pipeline.tokenizer import run_tokenizer
 from interop import hf_checkpoint
@@ -40,7 +40,7 @@ def train(config, dry_run: bool = False) -> dict:
   distributed.initialize(config.distributed, survive=config.fault_tolerance == "survive")
   pretrained = hf_checkpoint.open_init_from(config.init_from)
   if pretrained is not None:  # the checkpoint decides the model's shape
-    config = _with_fields(config, pretrained.model_fields(config))
+    config = with_fields(config, pretrained.model_fields(config))
   check_run(config)
   distributed.check_same_config(config)
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
@@ -48,7 +48,7 @@ def train(config, dry_run: bool = False) -> dict:
   # An imported checkpoint's own tokenizer wins; token data another tokenizer wrote is refused here.
   text_tokenizer = run_tokenizer(config.init_from, train_split.tokenizer, train_split.origin)
   if config.data.segments:  # packed documents end at the tokenizer's end-of-text, which the token files hold
-    config = _with_fields(config, {"model.document_end": text_tokenizer.end_of_text})
+    config = with_fields(config, {"model.document_end": text_tokenizer.end_of_text})
   layout = plan(config)  # refuses a bad mesh or model before anything compiles
   _check_before_compiling(config, layout, train_split, val_split, text_tokenizer)
   if dry_run:
@@ -83,12 +83,6 @@ def train(config, dry_run: bool = False) -> dict:
       branch[0].close()
   tolerance.leave()
   return last
-
-
-def _with_fields(config, fields: dict):
-  """A copy of `config` with the dotted `fields` set: what the run decides after loading, the loaded
-  config left as it was."""
-  return set_fields(config.copy_and_resolve_references(), fields)
 
 
 def _check_before_compiling(config, layout, train_split, val_split, text_tokenizer) -> None:

@@ -76,3 +76,36 @@ def test_a_test_file_shares_code_through_helpers_not_through_another_test_file()
                  for alias in node.names}
     shared = sorted(name for name in imported if name.split(".")[-1].startswith("test_"))
     assert not shared, f"{path.name} imports {shared}; move what it needs into tests/helpers.py"
+
+
+def _root_name(node: ast.AST) -> str | None:
+  while isinstance(node, (ast.Attribute, ast.Subscript)):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+def config_writes(path: Path) -> list[str]:
+  """Where a module assigns into, or updates, a value named like a config (`config`, `cfg`, `*_config`)."""
+  is_config = lambda node: (_root_name(node) or "").lower().endswith(("config", "cfg"))
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    targets = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    for target in (t for group in targets for t in (group.elts if isinstance(group, ast.Tuple) else [group])):
+      if isinstance(target, (ast.Attribute, ast.Subscript)) and is_config(target):
+        found.append(f"line {node.lineno}: {ast.unparse(target)} = ...")
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("update", "unlock", "unlocked") and is_config(node.func.value)):
+      found.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+  return found
+
+
+# configs/ builds configs; the entry points (train.py, sample.py, tools/) build theirs from their flags.
+ROOM_MODULES = [m for m in MODULES if m.parts[0] not in ("configs", "train.py", "sample.py", "tools")]
+
+
+@pytest.mark.parametrize("module", ROOM_MODULES, ids=str)
+def test_a_room_reads_the_config_and_never_writes_into_it(module):
+  writes = config_writes(ROOT / module)
+  assert not writes, (f"{module} writes into a config after loading ({'; '.join(writes)}); build it with "
+                      "configs/load.py (set_fields, restored) or hand the value on as a record")
