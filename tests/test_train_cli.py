@@ -45,7 +45,7 @@ def test_dry_run_reports_memory_and_collectives(tmp_path):
   # measure/saved_for_backward.py's section: the tiny model's MLP pre-activation, 512 float32 values per
   # token, is 4 x 512 / (2 x 128) = 8 D-units.
   assert "saved for the backward pass, per token of one layer" in result.stdout
-  assert re.search(r"\n +8\.00 +2,048  f32\[1,128,512\] +model/mlp\.py:\d+ add: h_BTF = ", result.stdout), result.stdout
+  assert re.search(r"\n +8\.00 +2,048  f32\[1,128,512\] +model/mlp\.py:\d+ add: up = up \+ bias", result.stdout), result.stdout
   assert "beside the compiled step's temporaries" in result.stdout
   assert not (tmp_path / "metrics.jsonl").exists()
 
