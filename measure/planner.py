@@ -26,6 +26,7 @@ from configs.load import with_fields
 from measure import estimate, step_time
 from measure.hardware import Cluster
 from measure.sizes import Run, replaced, run_of
+from parallel import context
 from parallel.checks import check_divides
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, hybrid_shape
 from parallel.schedules import SCHEDULES
@@ -35,7 +36,6 @@ from parallel.schedules import SCHEDULES
 # per device (recomputed in the backward pass).
 REMAT_ORDER = ("none", "save_dots", "save_attention", "offload", "full", "full_offload")
 MLP_CHUNKS = (0, 4096)
-CONTEXTS = ("ring", "ulysses", "allgather")  # the search's order of parallel/context.py's strategies
 MEMORY_KNOBS = ("model.remat", "model.mlp_chunk", "grad_accum")
 VIRTUAL_STAGES = (2, 4)
 
@@ -121,9 +121,9 @@ def structures(run: Run, mesh: dict, slow: dict):
                   for s in SCHEDULES if s not in plain for v in VIRTUAL_STAGES for m in counts if m % stages == 0]
   else:
     schedules = [{}]
-  contexts = [{"attention.context": c} for c in CONTEXTS] if mesh[SEQUENCE] > 1 else [{}]
-  for sharding, schedule, context in itertools.product(shardings, schedules, contexts):
-    yield {**base, **sharding, **schedule, **context}
+  contexts = [{"attention.context": c} for c in context.STRATEGIES] if mesh[SEQUENCE] > 1 else [{}]
+  for sharding, schedule, strategy in itertools.product(shardings, schedules, contexts):
+    yield {**base, **sharding, **schedule, **strategy}
 
 
 def configured(config, flags: dict):
