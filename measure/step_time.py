@@ -1,9 +1,12 @@
 """How long a step takes on a cluster, by arithmetic: tokens/s and MFU for any config and layout.
 
 Beside the memory estimate (measure/estimate.py), from the same per-device figures:
-- compute: the busiest device's matmul FLOPs per step (the layers, the head and
-  what the remat policy recomputes) at the device's peak times an achievable
-  fraction, calibrated once per device kind (measure/calibration.py);
+- compute: each part of the busiest device's step (`parts`: the GEMMs, attention,
+  the pointwise work between them, the saved values read back, the loss, the
+  optimizer's update) takes the larger of its FLOPs at the device's peak times an
+  achievable fraction, calibrated once per device kind (measure/calibration.py),
+  and its bytes over the device's HBM bandwidth (its datasheet figure,
+  measure/hardware.py); `bytes_moved` says what each part reads and writes;
 - communication: each collective's ring bytes split by network tier
   (measure/tiers.py) over that tier's bandwidth per device, plus a per-hop
   latency for each call;
@@ -30,10 +33,11 @@ import dataclasses
 import math
 
 from measure import estimate, tiers
-from measure.sizes import run_of
+from measure.sizes import head_weights, is_matrix, replaced, run_of
 from measure.hardware import Cluster
-from parallel import context, experts, schedules
-from parallel.mesh import PIPELINE, SEQUENCE
+from parallel import context, experts, rules, schedules
+from parallel.costs import shard_elements
+from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
 
 # Seconds per hop of a ring step: NCCL's and XLA's collectives pay a few microseconds per step on
 # NVLink and ICI and some more across hosts (stated round figures, not measured here; they matter
@@ -54,7 +58,8 @@ BACKWARD, BOTH_PASSES, ATTENTION, EXPOSED = "backward", "both passes", "attentio
 @dataclasses.dataclass(frozen=True)
 class StepTime:
   """One step's predicted time on one device, in seconds, and what follows from it."""
-  compute: float  # matmuls at the achievable rate, the busy ticks only
+  compute: float  # the parts' seconds added up, the busy ticks only
+  parts: dict[str, float]  # by part of the step (bytes_moved's): the larger of its FLOPs' and its bytes' seconds
   bubble: float  # a pipeline's idle ticks
   communication: dict[str, float]  # by source (estimate.collectives_by_source): seconds on the links
   exposed: dict[str, float]  # by source: the part that does not hide behind compute
@@ -172,16 +177,23 @@ def predict(run, mesh: dict, slow: dict, cluster: Cluster, weights: list, achiev
   which meshlm and the calibration runs use, more for attention that writes its scores to memory."""
   run = run_of(run)
   rate = peak_flops(run, cluster) * achievable
+  bandwidth = cluster.kind.hbm_bandwidth
   flops = estimate.flops(run, mesh, weights)
-  attention = _attention_seconds(run, mesh, weights, rate) * attention_slowdown
-  layers_seconds = (flops["layers"] + flops["recompute"]) / rate + attention * (1 - 1 / attention_slowdown)
+  attention_flops = _attention_flops(run, mesh, weights)
+  moved = bytes_moved(run, mesh, weights)
+  part_flops = {"gemms": flops["layers"] + flops["recompute"] - attention_flops, "attention": attention_flops,
+                "pointwise": 0, "saved": 0, "loss": flops["head"], "optimizer": flops["optimizer"]}
+  parts = {part: max(part_flops[part] / rate * (attention_slowdown if part == "attention" else 1),
+                     moved[part] / bandwidth) for part in part_flops}
+  attention = parts["attention"]
+  layers_seconds = sum(parts[part] for part in ("gemms", "attention", "pointwise", "saved"))
   stages = mesh[PIPELINE]
   bubble = 0.0
   if stages > 1:
     p = run.pipeline
     idle = schedules.bubble_over_total(stages=stages, micro=p.microbatches, virtual=schedules.virtual_stages(p))
     bubble = layers_seconds * idle / (1 - idle)
-  compute = layers_seconds + flops["head"] / rate
+  compute = sum(parts.values())
   # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.
   backward_seconds = (flops["layers"] * 2 / 3 + flops["recompute"]) / rate
   window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: attention, EXPOSED: 0.0}
@@ -208,15 +220,50 @@ def predict(run, mesh: dict, slow: dict, cluster: Cluster, weights: list, achiev
   step = compute + bubble + sum(exposed.values())
   tokens = run.batch_size * run.model.max_len
   ideal = estimate.ideal_flops(run, mesh, weights)
-  return StepTime(compute=compute, bubble=bubble, communication=communication, exposed=exposed,
+  return StepTime(compute=compute, parts=parts, bubble=bubble, communication=communication, exposed=exposed,
                   bytes_by_tier=totals, step=step, tokens_per_second=tokens / step,
                   mfu=ideal / (step * peak_flops(run, cluster)), flops_per_device=flops["total"])
 
 
-def _attention_seconds(run, mesh: dict, weights: list, rate: float) -> float:
-  """The attention matmuls' seconds per step (QK^T and PV, forward and backward): ring attention's hops
+def _attention_flops(run, mesh: dict, weights: list) -> int:
+  """The attention matmuls' FLOPs per step (QK^T and PV, forward and backward): ring attention's hops
   hide under them."""
   d = estimate.dims(run, mesh)
   forward, backward = estimate.layer_passes(run, mesh)
   parts = estimate.stage_forward(run, d, mesh, weights)
-  return (parts["scores"] + parts["values"]) * (forward + 2 * backward) / rate
+  return (parts["scores"] + parts["values"]) * (forward + 2 * backward)
+
+
+def bytes_moved(run, mesh: dict, weights: list) -> dict[str, int]:
+  """HBM bytes one device reads and writes per step, by part, from the estimator's own accounting.
+
+  - gemms: each weight matrix read in the compute dtype by each forward run and by the backward (the
+    input's gradient; the weight's gradient reads activations); their activations are the pointwise work's.
+  - attention (fused, flash-style: the scores stay on chip): the queries, keys and values read and the
+    output written in the forward; those, the output and its gradient read and the three gradients
+    written in the backward.
+  - pointwise (the norms, activation functions, residual adds and casts between the GEMMs): each value a
+    layer keeps with nothing recomputed (`saved_per_layer` under model.remat=none) written and read once
+    per forward run, recomputation's included, and its gradient written and read once in the backward.
+  - saved: what the remat policy keeps (`saved_per_layer`) read back once by the backward.
+  - loss: the logits written by the head and read by the loss, their gradient written and read by the
+    head's two backward products (five passes in the compute dtype), and the head's weight read thrice.
+  - optimizer: the float32 parameters and the optimizer's state read and written, the gradients read
+    (measure/memory.py's bytes).
+  """
+  run = run_of(run)
+  d = estimate.dims(run, mesh)
+  forward, backward = estimate.layer_passes(run, mesh)
+  layers = run.model.num_layers // mesh[PIPELINE]
+  matrices = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights if w.stacked and is_matrix(w))
+  attention_unit = d.tokens * d.head_dim * (d.heads + d.kv_heads) * d.compute_bytes * layers
+  between = estimate.saved_per_layer(replaced(run, {"model.remat": "none"}), mesh)["device"] * layers
+  saved = estimate.saved_per_layer(run, mesh)["device"] * layers
+  head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
+  head = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
+  state = estimate.memory(run, mesh, weights)
+  return {"gemms": (forward + backward) * matrices * d.compute_bytes,
+          "attention": 2 * attention_unit * forward + 4 * attention_unit * backward,
+          "pointwise": 2 * between * (forward + backward), "saved": saved * backward,
+          "loss": (5 * head_tokens * d.vocab + 3 * head) * d.compute_bytes,
+          "optimizer": 2 * (state["params"] + state["opt_state"]) + state["grads"]}

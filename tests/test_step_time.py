@@ -42,7 +42,13 @@ def test_a_data_parallel_step_is_its_matmuls_and_the_last_layers_reduction():
   t = step_time.predict(config, mesh, {}, cluster, weights, achievable=0.5)
   flops = estimate.flops(config, mesh, weights)
   rate = H100.bf16_flops * 0.5
-  assert t.compute == pytest.approx(flops["total"] / rate, rel=1e-12)
+  # Each part at the larger of its FLOPs' and its bytes' time: the GEMMs are the FLOPs' (compute-bound at
+  # 8 x 1,024 tokens a device), the pointwise work between them the bytes'.
+  moved = step_time.bytes_moved(config, mesh, weights)
+  assert t.compute == pytest.approx(sum(t.parts.values()), rel=1e-12)
+  assert t.parts["pointwise"] == pytest.approx(moved["pointwise"] / H100.hbm_bandwidth, rel=1e-12)
+  assert t.parts["gemms"] + t.parts["attention"] == pytest.approx(flops["layers"] / rate, rel=1e-12)
+  assert t.compute > flops["total"] / rate
   assert t.bubble == 0
   # The gradients' all-reduce (hidden under the backward pass, 2/3 of the layers' matmuls) shows only
   # its last layer's bucket: 1/12 of it for GPT-2 124M's 12 layers.
@@ -58,8 +64,7 @@ def test_a_pipelines_bubble_is_p_minus_1_over_m_of_its_busy_time():
   config = gpt2(**{"mesh.pipeline": 4, "mesh.data": 1, "pipeline.microbatches": 4, "pipeline.schedule": "gpipe"})
   weights = model_weights(config)
   t = step_time.predict(config, mesh, {}, hardware.cluster("h100", 4), weights, achievable=0.5)
-  flops = estimate.flops(config, mesh, weights)
-  busy = (flops["layers"] + flops["recompute"]) / (H100.bf16_flops * 0.5)
+  busy = sum(t.parts[part] for part in ("gemms", "attention", "pointwise", "saved"))  # the layers' parts
   assert t.bubble == pytest.approx(busy * 3 / 4, rel=1e-12)  # (P - 1) / M of the busy ticks, P = M = 4
 
 
@@ -68,8 +73,41 @@ def test_recomputation_lengthens_the_step_by_its_flops():
   plain = step_time.predict(gpt2(), MESH, {}, hardware.cluster("h100", 1), weights, 0.5)
   full = step_time.predict(gpt2(**{"model.remat": "full"}), MESH, {}, hardware.cluster("h100", 1), weights, 0.5)
   extra = estimate.flops(gpt2(**{"model.remat": "full"}), MESH, weights)["recompute"]
-  assert full.step - plain.step == pytest.approx(extra / (H100.bf16_flops * 0.5), rel=1e-9)
+  matmuls = lambda t: t.parts["gemms"] + t.parts["attention"]
+  assert matmuls(full) - matmuls(plain) == pytest.approx(extra / (H100.bf16_flops * 0.5), rel=1e-9)
+  # The pointwise work runs again with the forward: three passes over its values where there were two
+  # (each written and read per forward run, its gradient once in the backward).
+  assert full.parts["pointwise"] == pytest.approx(plain.parts["pointwise"] * 3 / 2, rel=1e-9)
+  assert full.step > plain.step
   assert full.mfu < plain.mfu
+
+
+def test_the_bytes_each_part_moves_by_hand():
+  config, weights = gpt2(), model_weights(gpt2())
+  moved = step_time.bytes_moved(config, MESH, weights)
+  state = estimate.memory(config, MESH, weights)
+  saved = estimate.saved_per_layer(config, MESH)["device"] * 12
+  # Nothing recomputed: the values between the GEMMs written and read forward, their gradients backward;
+  # the same values read back once more as what the layer saved.
+  assert moved["pointwise"] == 4 * saved
+  assert moved["saved"] == saved
+  # Adam in float32: parameters (4 bytes an element) and m and v (8) read and written, gradients (4) read.
+  assert state["opt_state"] == 2 * state["params"]
+  assert moved["optimizer"] == 7 * state["params"]
+  # 8 x 1,024 tokens' logits over GPT-2's padded vocabulary in bfloat16, five times; the tied table thrice.
+  vocab = estimate.dims(config, MESH).vocab
+  assert moved["loss"] == (5 * 8 * 1024 * vocab + 3 * vocab * 768) * 2
+
+
+def test_a_small_models_step_is_longer_for_its_memory_bound_parts():
+  """GPT-2 124M on one H200 (benchmarks/h200): the pointwise work, the saved values and the optimizer's
+  update are HBM-bound, and add to the GEMMs' time (the loss's head matmul stays compute-bound)."""
+  config, weights = gpt2(**{"batch_size": 32}), model_weights(gpt2())
+  t = step_time.predict(config, MESH, {}, hardware.cluster("h200", 1), weights, 0.5)
+  moved = step_time.bytes_moved(config, MESH, weights)
+  bandwidth = hardware.KINDS["h200"].hbm_bandwidth
+  for part in ("pointwise", "saved", "optimizer"):
+    assert t.parts[part] == pytest.approx(moved[part] / bandwidth, rel=1e-12), part
 
 
 def test_float32_has_no_peak_to_price_it_at():
