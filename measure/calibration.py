@@ -1,9 +1,9 @@
 """The achievable fraction of peak for each device kind, calibrated once on one published training run.
 
-measure/step_time.py prices a step's matmuls at peak x this fraction; it
-stands for everything the model leaves out (attention kernels, norms and other
-memory-bound work, launch gaps, imperfect overlap), so it is set where a real
-run says: for each kind, the fraction at which step_time predicts that run's
+measure/step_time.py prices each part of a step's FLOPs at peak x this fraction
+(its bytes at the HBM bandwidth, no fraction); it stands for everything the model
+leaves out (kernels below their roofline, launch gaps, imperfect overlap), so it
+is set where a real run says: for each kind, the fraction at which step_time predicts that run's
 measured step time, its layout and model as published. Every other published
 run is then a check, not a fit (docs/planning.md). Step times come from each
 source's tokens/s (its FLOP counting differs from run to run; tokens do not).

@@ -13,12 +13,21 @@ LLaMA 3 on TPUs"): the book's layout (1,024-way data x 2-way sequence x 4-way
 tensor, FSDP, over 8,192 chips as one ICI domain, 1,024 sequences of 4,096
 tokens) predicted, beside the book's own estimate (40% MFU, assumed) and the
 planner's best.
+
+Measured rows (`check_records`, and `tools/plan.py --check`): each tools/bench.py
+record's config built as it ran (measure/bench_runs.py), predicted on its device
+kind at the kind's calibrated fraction, beside what the record measured.
 """
+
+import dataclasses
+import json
+from pathlib import Path
 
 from configs import llama, megatron
 from configs.load import set_fields
-from measure import calibration, hardware, planner, step_time
+from measure import bench_runs, calibration, estimate, hardware, planner, step_time
 from measure.dry_run import model_weights
+from parallel.mesh import hybrid_shape, mesh_shape, slow_tier_shape
 
 RANKED = 10  # the planner's choices searched for the paper's mesh
 
@@ -132,4 +141,86 @@ def calibration_table() -> str:
   for kind, reference in calibration.REFERENCES.items():
     lines.append(f"| {kind} | {reference.label}; {reference.source} | {reference.step_seconds:.3f} "
                  f"({reference.derivation}) | {calibration.achievable_fraction(kind):.3f} |")
+  return "\n".join(lines)
+
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """One measured record beside its prediction."""
+  label: str  # the record's config spec, overrides and batch
+  kind: str
+  predicted: step_time.StepTime
+  predicted_bytes: int  # the estimator's bytes per device
+  measured_step: float
+  measured_peak_gib: float
+  measured_mfu: float
+
+  @property
+  def error(self) -> float:
+    """The predicted step over the measured, less one: negative where the planner is optimistic."""
+    return self.predicted.step / self.measured_step - 1
+
+
+def kind_of(device_kind: str, path: str) -> str:
+  """measure/hardware.py's kind of a record's jax device_kind ("NVIDIA H200", "TPU v5p")."""
+  found = [name for name in hardware.KINDS if name.replace("_", " ") in device_kind.lower()]
+  if len(found) != 1:
+    raise ValueError(f"{path}: device_kind {device_kind!r} names no one kind of measure/hardware.py; give records "
+                     f"measured on one of {', '.join(hardware.KINDS)}.")
+  return found[0]
+
+
+def measured_records(paths: list[str]) -> list[tuple[str, dict]]:
+  """The meshlm step measurements of tools/bench.py's JSON lines files (peers and failed runs left out), with
+  their file; a file that is missing or holds no such record is refused."""
+  found = []
+  for path in paths:
+    if not Path(path).is_file():
+      raise ValueError(f"--check={path} is not a file; give tools/bench.py's JSON lines, e.g. "
+                       "benchmarks/h200/2026-12-04-equal.jsonl.")
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")]
+    measured = [r for r in records if r.get("kind") == "meshlm" and r.get("step_s")]
+    if not measured:
+      raise ValueError(f"--check={path} holds no measured meshlm step (tools/bench.py records with step_s); give "
+                       "a file tools/bench.py wrote.")
+    found += [(path, r) for r in measured]
+  return found
+
+
+def check_record(path: str, record: dict) -> Checked:
+  """The record's run as it ran, predicted on its device kind."""
+  kind = kind_of(record["device_kind"], path)
+  config = bench_runs.build_config(record["config"], [tuple(o) for o in record["overrides"]], batch=record["batch"],
+                                   seq_len=record["seq"])
+  # The estimator traces the scanned block: unrolled layers (model.scan_layers=false) run the same arithmetic.
+  config = set_fields(config, {"model.scan_layers": True})
+  mesh = hybrid_shape(mesh_shape(config.mesh, record["devices"]), config.sharding.fsdp_group)
+  weights = model_weights(config)
+  predicted = step_time.predict(config, mesh, slow_tier_shape(config.mesh, mesh),
+                                hardware.cluster(kind, record["devices"]), weights,
+                                calibration.achievable_fraction(kind))
+  overrides = "".join(f",{key}={value}" for key, value in record["overrides"])
+  return Checked(label=f"{record['config']}{overrides}, seq {record['seq']}", kind=kind, predicted=predicted,
+                 predicted_bytes=sum(estimate.memory(config, mesh, weights).values()),
+                 measured_step=record["step_s"], measured_peak_gib=record["peak_mem_gib"],
+                 measured_mfu=record["mfu"])
+
+
+def check_records(paths: list[str]) -> list[Checked]:
+  return [check_record(path, record) for path, record in measured_records(paths)]
+
+
+def check_table(checked: list[Checked]) -> str:
+  """One row per measured record: step, memory and MFU predicted beside measured, and the step's error."""
+  lines = ["| run | kind | step ms, predicted / measured | error | memory GiB, predicted / measured "
+           "| MFU, predicted / measured | predicted step's parts, ms |", "|" + " --- |" * 7]
+  for c in checked:
+    t = c.predicted
+    parts = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in t.parts.items() if seconds)
+    lines.append(f"| {c.label} | {c.kind} | {t.step * 1e3:.1f} / {c.measured_step * 1e3:.1f} | {c.error:+.0%} "
+                 f"| {c.predicted_bytes / GIB:.1f} / {c.measured_peak_gib:.1f} | {t.mfu:.1%} / {c.measured_mfu:.1%} "
+                 f"| {parts} |")
   return "\n".join(lines)

@@ -3,6 +3,7 @@
   python tools/plan.py --config=configs/gpt2.py:1558m --kind=h100 --devices=64 --global_batch=512 --seq_len=1024
   python tools/plan.py --config=configs/llama.py:405b --kind=h100 --devices=16384 --global_batch=2048 --seq_len=8192
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/plan.py --kind=h100 --devices=8 --global_batch=16 --seq_len=128 --verify=2
+  python tools/plan.py --check=benchmarks/h200/2026-12-04-equal.jsonl,benchmarks/h200/2026-12-04-layers.jsonl
 
 Prints the top layouts with their memory per device, bytes per step on each
 network tier, pipeline bubble, predicted step time, tokens/s and MFU, and the
@@ -11,7 +12,9 @@ measure/step_time.py what the time model assumes). `--verify=K` compiles the
 top K ahead of time on the devices jax sees (simulate them with XLA_FLAGS as
 above) and prints each one's compiled memory and bytes by tier beside the
 prediction. A model that fits nowhere gets one line naming the smallest
-cluster it would fit.
+cluster it would fit. `--check=RECORDS.jsonl,...` predicts instead each run that
+tools/bench.py measured in those files, as it ran on its device kind, and prints
+its step time, memory and MFU beside the measured, with the step's error.
 """
 
 import sys
@@ -32,6 +35,7 @@ _PRECISION = flags.DEFINE_string("precision", "bfloat16", "Compute dtype planned
 _HEADROOM = flags.DEFINE_float("headroom", 0.1, "Share of each device's memory kept free.")
 _TOP = flags.DEFINE_integer("top", 5, "Layouts to print.")
 _VERIFY = flags.DEFINE_integer("verify", 0, "Compile the top K ahead of time and print compiled beside predicted.")
+_CHECK = flags.DEFINE_list("check", [], "tools/bench.py JSON lines files: predict each measured run beside its record.")
 
 GiB = 2**30
 
@@ -41,6 +45,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep jax's compilation-cache chatter off the table
   from measure import calibration, hardware, planner  # after flag parsing, as train.py does: jax reads its flags once
   from measure.dry_run import model_weights
+  if _CHECK.value:
+    print(check(_CHECK.value))
+    return
   try:
     if _TOP.value < 1:
       raise ValueError(f"--top={_TOP.value} would print no layout; give 1 or more.")
@@ -71,6 +78,15 @@ def main(argv):
     print(f"{rank}: {' '.join([choice.command(spec), *given, *planned])}")
   if _VERIFY.value:
     print(verify(config, result.ranked[:_VERIFY.value], cluster))
+
+
+def check(paths: list[str]) -> str:
+  """The measured rows of `paths` beside their predictions, or the one-line refusal of a bad file."""
+  from measure import planning_tables
+  try:
+    return planning_tables.check_table(planning_tables.check_records(paths))
+  except ValueError as error:
+    sys.exit(f"error: {error}")
 
 
 def planned_config(config):

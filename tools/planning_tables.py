@@ -1,5 +1,6 @@
 """docs/planning.md's planning tables, one command: the planner's own runs, and the planner beside
-published runs (Megatron-LM's weak-scaling table, Llama 3 70B on TPU v5p).
+published runs (Megatron-LM's weak-scaling table, Llama 3 70B on TPU v5p) and measured ones (the
+committed bench records, benchmarks/).
 
   python tools/planning_tables.py            # prints every table
   python tools/planning_tables.py --rows=1.7b,145.6b --blocks=megatron
@@ -8,7 +9,8 @@ published runs (Megatron-LM's weak-scaling table, Llama 3 70B on TPU v5p).
 speed, verify and tiers are the planning page's commands run as written (each a
 subprocess: a command that simulates devices fixes their count when jax starts),
 their tables cut from what they print. megatron, llama and calibration are
-measure/planning_tables.py's: the planner beside published runs.
+measure/planning_tables.py's: the planner beside published runs; check is every committed
+benchmarks/*/*.jsonl record predicted beside what it measured (`tools/plan.py --check`).
 """
 
 import os
@@ -21,12 +23,12 @@ from absl import app, flags
 
 from configs import megatron
 from measure.doc_blocks import replace_block
-from measure.planning_tables import calibration_table, llama_table, megatron_table
+from measure.planning_tables import calibration_table, check_records, check_table, llama_table, megatron_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
 _ROWS = flags.DEFINE_list("rows", list(megatron.ROWS), f"Megatron-LM rows, of {', '.join(megatron.ROWS)}.")
-_BLOCKS = flags.DEFINE_list("blocks", ["speed", "verify", "tiers", "calibration", "megatron", "llama"],
+_BLOCKS = flags.DEFINE_list("blocks", ["speed", "verify", "tiers", "calibration", "check", "megatron", "llama"],
                             "The tables to make.")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the <!-- planning:... --> blocks of --page.")
 _PAGE = flags.DEFINE_string("page", str(ROOT / "docs" / "planning.md"), "The file --write rewrites.")
@@ -82,7 +84,8 @@ def main(argv):
   if unknown:
     sys.exit(f"error: unknown rows {unknown}; give some of {', '.join(megatron.ROWS)}.")
   makers = {"speed": speed_block, "verify": verify_block, "tiers": tiers_block, "calibration": calibration_table,
-            "megatron": lambda: megatron_table(_ROWS.value), "llama": llama_table}
+            "megatron": lambda: megatron_table(_ROWS.value), "llama": llama_table,
+            "check": lambda: check_table(check_records([str(p) for p in sorted(ROOT.glob("benchmarks/*/*.jsonl"))]))}
   blocks = {}
   for name in _BLOCKS.value:
     started = time.time()
