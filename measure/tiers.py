@@ -16,6 +16,7 @@ import math
 from fractions import Fraction
 
 from parallel.mesh import AXES, PIPELINE
+from parallel.schedules import SCHEDULES
 
 FAST, SLOW = "fast", "slow"
 
@@ -38,7 +39,7 @@ def pipeline_crossing_pairs(stages: int, groups: int, schedule: str) -> Fraction
   boundaries, 1F1B's chain (no pair from the last to the first) at the groups - 1 inside it."""
   if groups == 1:
     return Fraction(0)
-  if schedule == "1f1b":
+  if not SCHEDULES[schedule].ring:
     return Fraction(groups - 1, stages - 1)
   return Fraction(groups, stages)
 

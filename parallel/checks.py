@@ -5,7 +5,7 @@ from model.attention import SPLASH_BLOCK, kernel
 from model.config import ModelConfig
 from parallel.context import STRATEGIES
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
-from parallel.schedules import SCHEDULES
+from parallel.schedules import SCHEDULES, virtual_stages
 
 
 def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int, grad_accum: int,
@@ -60,29 +60,30 @@ def _divides(what: str, value: int, axis: str, size: int) -> None:
 
 
 def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: int, pipeline) -> None:
-  schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, pipeline.virtual_stages
-  chunks = stages * (virtual if schedule == "interleaved" else 1)
+  schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, virtual_stages(pipeline)
+  stashes = SCHEDULES[schedule].stashes  # 1F1B: each micro-batch's head runs as it leaves the last stage
+  chunks = stages * virtual
   # A chunk holds whole scanned units: single blocks, or a MoE model's groups of moe.every blocks.
   if model.num_units % chunks:
     raise ValueError(
         f"model.num_layers={model.num_layers}"
         + (f" in groups of moe.every={model.moe_every}" if model.layers_per_unit > 1 else "")
         + f" does not split into mesh.pipeline={stages}"
-        + (f" x pipeline.virtual_stages={virtual}" if schedule == "interleaved" else "")
+        + (f" x pipeline.virtual_stages={virtual}" if SCHEDULES[schedule].virtual else "")
         + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks * model.layers_per_unit}.")
   if micro < 1 or batch % (micro * data_parallel):
     raise ValueError(
         f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "
         f"micro-batches that split over data x expert = {data_parallel}; use a batch that is a "
         f"multiple of {max(micro, 1) * data_parallel}.")
-  if schedule != "1f1b" and (batch // data_parallel) % stages:
+  if not stashes and (batch // data_parallel) % stages:
     raise ValueError(
         f"{schedule} runs the head on 1/{stages} of each data-parallel shard's rows, but the shard's "
         f"{batch // data_parallel} sequences do not split over mesh.pipeline={stages}; use a batch that "
         f"is a multiple of {stages * data_parallel} (per grad_accum micro-batch).")
-  if schedule == "1f1b" and micro < stages:
+  if stashes and micro < stages:
     raise ValueError(
-        f"pipeline.schedule=1f1b needs at least as many micro-batches as stages, got "
+        f"pipeline.schedule={schedule} needs at least as many micro-batches as stages, got "
         f"pipeline.microbatches={micro} for mesh.pipeline={stages}; raise microbatches to {stages} or more.")
 
 

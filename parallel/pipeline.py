@@ -74,8 +74,10 @@ def loss_and_grads(layout: Layout, params, batch, scale=None):
   (hybrid sharding: its groups), each device keeping the share its optimizer updates, as Megatron-LM's
   distributed optimizer does; summed whole, it would cross the links twice."""
   grad_specs = jax.tree.map(_manual, layout.moment_shardings)
-  schedule = _one_f_one_b if layout.schedule == "1f1b" else _circular
-  virtual = layout.virtual_stages if layout.schedule == "interleaved" else 1
+  # A schedule that stashes each micro-batch's residuals runs its own backward (1F1B); the others run
+  # the circular forward that autodiff differentiates.
+  schedule = _one_f_one_b if schedules.SCHEDULES[layout.schedule].stashes else _circular
+  virtual = layout.virtual_stages
   stages = layout.mesh.shape[PIPELINE]
 
   def body(params, tokens, scale):
@@ -202,7 +204,6 @@ def _circular(layout: Layout, params, tokens, scale):
   """This device's shares of the cross-entropy and of the router figures, and the gradients of its share of the
   objective, the blocks run by the gpipe / interleaved schedule."""
   stages, virtual, micro = layout.mesh.shape[PIPELINE], layout.virtual_stages, layout.microbatches
-  virtual = virtual if layout.schedule == "interleaved" else 1
   ticks = schedules.circular_ticks(stages=stages, virtual=virtual, micro=micro)
   out_ticks = jnp.array([schedules.circular_output_tick(m, stages=stages, virtual=virtual)
                          for m in range(micro)])

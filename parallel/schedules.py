@@ -39,6 +39,8 @@ class Schedule:
   # as it leaves the last stage (1f1b); otherwise autodiff through the tick loop keeps every tick's.
   stashes: bool = False
   virtual: bool = False  # reads pipeline.virtual_stages (interleaved); the others run one chunk per stage
+  # The last stage hands back to the first (a circular pipeline), so hand-offs form a ring, not a chain.
+  ring: bool = True
 
 
 def micro_batches(config, stages: int) -> int:
@@ -170,6 +172,6 @@ SCHEDULES = {
     "gpipe": Schedule(ticks=_circular_ticks, held=_circular_ticks, sent=_circular_sent),
     "1f1b": Schedule(ticks=lambda *, stages, micro, virtual: one_f_one_b_ticks(stages=stages, micro=micro),
                      held=lambda *, stages, micro, virtual: stash_slots(stages=stages, micro=micro),
-                     sent=_one_f_one_b_sent, stashes=True),
+                     sent=_one_f_one_b_sent, stashes=True, ring=False),
     "interleaved": Schedule(ticks=_circular_ticks, held=_circular_ticks, sent=_circular_sent, virtual=True),
 }

@@ -27,7 +27,7 @@ from training.optimizer import make_optimizer
 def model_config(config) -> ModelConfig:
   """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
   experts' settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
-  model, moe = config.model, config.moe  # by attribute: the planner passes namespaces (measure/planner.py)
+  model, moe = config.model, config.moe
   fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(model, f.name)}
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
@@ -107,7 +107,7 @@ def plan(config, devices=None) -> Layout:
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
-                virtual_stages=config.pipeline.virtual_stages if config.pipeline.schedule == "interleaved" else 1,
+                virtual_stages=schedules.virtual_stages(config.pipeline),
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
 
