@@ -8,11 +8,11 @@ def bubble_cells(stages: int, micro: int, virtual: int) -> list[str]:
   """One table row: both formulas, each schedule's idle share as run, both formulas for V chunks."""
   cells = [str(micro), f"{schedules.bubble_over_total(stages=stages, micro=micro):.3f}",
            f"{schedules.bubble_over_ideal(stages=stages, micro=micro):.3f}"]
-  for schedule in schedules.SCHEDULES:
-    if schedule == "1f1b" and micro < stages:
+  for schedule, costs in schedules.SCHEDULES.items():
+    if costs.stashes and micro < stages:
       cells.append("-")  # refused by parallel/checks.py: 1F1B needs at least P micro-batches
       continue
-    v = virtual if schedule == "interleaved" else 1
+    v = virtual if costs.virtual else 1
     cells.append(f"{schedules.idle_fraction(schedule, stages=stages, micro=micro, virtual=v):.3f}")
   cells += [f"{schedules.bubble_over_total(stages=stages, micro=micro, virtual=virtual):.3f}",
             f"{schedules.bubble_over_ideal(stages=stages, micro=micro, virtual=virtual):.3f}"]

@@ -23,7 +23,7 @@ _TABLE = flags.DEFINE_list("table", [], "Micro-batch counts for a bubble table i
 def show_timeline(schedule: str, stages: int, micro: int, virtual: int) -> None:
   rows = schedules.timeline(schedule, stages=stages, micro=micro, virtual=virtual)
   width = max(len(cell) for row in rows for cell in row)
-  print(f"\n{schedule} (P={stages}, M={micro}" + (f", V={virtual}" if schedule == "interleaved" else "")
+  print(f"\n{schedule} (P={stages}, M={micro}" + (f", V={virtual}" if schedules.SCHEDULES[schedule].virtual else "")
         + f"): {len(rows[0])} ticks")
   print("tick    " + " ".join(f"{t:>{width}}" for t in range(len(rows[0]))))
   for p, row in enumerate(rows):
@@ -34,8 +34,8 @@ def main(argv):
   del argv
   stages, micro, virtual = _STAGES.value, _MICRO.value, _VIRTUAL.value
   if not _TABLE.value:
-    for schedule in schedules.SCHEDULES:
-      show_timeline(schedule, stages, micro, virtual if schedule == "interleaved" else 1)
+    for schedule, costs in schedules.SCHEDULES.items():
+      show_timeline(schedule, stages, micro, virtual if costs.virtual else 1)
     print()
   print(f"P={stages}: bubble/total and bubble/ideal divide the idle time by the total and by the ideal time;\n"
         "gpipe, 1f1b and interleaved: the share of stage-time idle as the code runs them (bubble/total)")
