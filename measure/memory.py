@@ -14,16 +14,22 @@ from training import optimizer
 def memory(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   """Per-device bytes: params, gradients, optimizer state, batch, saved activations."""
   run = run_of(run)
-  zero, axis, d = run.sharding.zero, rules.fsdp_axis(run.sharding), dims(run, mesh)
-  params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
-  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * state
-                for w, state in zip(weights, optimizer_state_bytes(run, weights)))
+  d = dims(run, mesh)
   local_batch = run.batch_size // (mesh[DATA] * mesh[EXPERT])
-  # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
-  return {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1),
-          "opt_state": moments,
-          "batch": 2 * local_batch * d.length * INT32_BYTES,
+  return {**state(run, mesh, weights), "batch": 2 * local_batch * d.length * INT32_BYTES,
           "activations": activations(run, d, weights)}
+
+
+def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
+  """Per-device bytes of the train state: float32 params, gradients, optimizer state (the update's traffic
+  too, measure/step_time.py)."""
+  run = run_of(run)
+  zero, axis = run.sharding.zero, rules.fsdp_axis(run.sharding)
+  params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
+  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * per_element
+                for w, per_element in zip(weights, optimizer_state_bytes(run, weights)))
+  # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
+  return {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
 
 
 # The planner asks the same optimizer of the same weights on thousands of layouts.

@@ -32,7 +32,7 @@ What hides behind compute is stated, not fitted:
 import dataclasses
 import math
 
-from measure import estimate, tiers
+from measure import estimate, memory, tiers
 from measure.sizes import head_weights, is_matrix, replaced, run_of
 from measure.hardware import Cluster
 from parallel import context, experts, rules, schedules
@@ -249,7 +249,7 @@ def bytes_moved(run, mesh: dict, weights: list) -> dict[str, int]:
   - loss: the logits written by the head and read by the loss, their gradient written and read by the
     head's two backward products (five passes in the compute dtype), and the head's weight read thrice.
   - optimizer: the float32 parameters and the optimizer's state read and written, the gradients read
-    (measure/memory.py's bytes).
+    (measure/memory.py's `state`).
   """
   run = run_of(run)
   d = estimate.dims(run, mesh)
@@ -261,7 +261,7 @@ def bytes_moved(run, mesh: dict, weights: list) -> dict[str, int]:
   saved = estimate.saved_per_layer(run, mesh)["device"] * layers
   head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
-  state = estimate.memory(run, mesh, weights)
+  state = memory.state(run, mesh, weights)
   return {"gemms": (forward + backward) * matrices * d.compute_bytes,
           "attention": 2 * attention_unit * forward + 4 * attention_unit * backward,
           "pointwise": 2 * between * (forward + backward), "saved": saved * backward,

@@ -99,6 +99,17 @@ def test_the_bytes_each_part_moves_by_hand():
   assert moved["loss"] == (5 * 8 * 1024 * vocab + 3 * vocab * 768) * 2
 
 
+def test_a_layout_whose_activations_cannot_be_sized_is_still_timed():
+  """The planner times a layout's best case before it sizes its memory: the optimizer's traffic reads the
+  train state alone, not the activation estimate, which has no micro-batch to size here (2 sequences
+  over 2 replicas and 2 micro-batches; the Llama 3 70B search on v5p met one)."""
+  config = gpt2(**{"batch_size": 2, "mesh.data": 2, "mesh.pipeline": 2, "pipeline.schedule": "1f1b",
+                   "pipeline.microbatches": 2})
+  mesh = {**MESH, "data": 2, "pipeline": 2}
+  t = step_time.predict(config, mesh, {}, hardware.cluster("h100", 4), model_weights(config), 0.5)
+  assert t.step > 0
+
+
 def test_a_small_models_step_is_longer_for_its_memory_bound_parts():
   """GPT-2 124M on one H200 (benchmarks/h200): the pointwise work, the saved values and the optimizer's
   update are HBM-bound, and add to the GEMMs' time (the loss's head matmul stays compute-bound)."""
