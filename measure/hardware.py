@@ -37,6 +37,17 @@ BOOK_GPUS = ("How to Scale Your Model (Austin et al., 2025), 'How to Think About
              "https://jax-ml.github.io/scaling-book/gpus")
 BOOK_TPUS = ("How to Scale Your Model (Austin et al., 2025), 'How to Think About TPUs', "
              "https://jax-ml.github.io/scaling-book/tpus")
+# MLPerf system descriptions: each names its node's host memory ("host_memory_capacity") beside its 8 GPUs.
+MLPERF_A100 = ("MLCommons training v1.0, Inspur NF5488A5 (8 x A100-SXM4-80GB), https://raw.githubusercontent.com/"
+               "mlcommons/training_results_v1.0/master/Inspur/systems/nf5488a5_pytorch.json")
+MLPERF_H100 = ("MLCommons inference v3.1, Dell XE9680 (8 x H100-SXM-80GB), https://github.com/mlcommons/"
+               "inference_results_v3.1/blob/main/closed/Dell/systems/XE9680_H100_SXM_80GBx8_TRT.json")
+MLPERF_H200 = ("MLCommons inference v4.1, NVIDIA H200-SXM-141GBx8, https://raw.githubusercontent.com/mlcommons/"
+               "inference_results_v4.1/main/closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json")
+MLPERF_B200 = ("MLCommons inference v6.0, Nebius B200 (8 x B200-SXM-180GB), https://raw.githubusercontent.com/"
+               "mlcommons/inference_results_v6.0/main/closed/Nebius/systems/nebius_b200_n1.json")
+# TPUs park nothing in host memory in the planner: step_time has no figure for their host link.
+NO_TPU_OFFLOAD = "none: the planner does not offload on TPUs (measure/step_time.py HOST_LINK has no TPU)"
 TPU_V4_DOCS = "Google Cloud TPU docs, 'TPU v4', https://cloud.google.com/tpu/docs/v4"
 TPU_V5E_DOCS = "Google Cloud TPU docs, 'TPU v5e', https://cloud.google.com/tpu/docs/v5e"
 TPU_V5P_DOCS = "Google Cloud TPU docs, 'TPU v5p', https://cloud.google.com/tpu/docs/v5p"
@@ -54,6 +65,8 @@ class DeviceKind:
   fast_link_bandwidth: float  # bytes/s per device, one direction, on the fast tier (NVLink; ICI within a slice)
   slow_link_bandwidth: float  # bytes/s per device, one direction, across fast groups (IB/RoCE NICs; DCN)
   fast_group: int  # devices per fast-tier group in the usual system (an HGX/DGX node; the largest TPU slice)
+  host_bytes: float | None  # host memory per device in a usual node, where offloading remat policies park
+  # values; None where the planner does not offload
   sources: dict[str, str]  # field name -> where the figure comes from, with the figure as stated there
 
 
@@ -66,7 +79,7 @@ def _a100() -> DeviceKind:
   return DeviceKind(
       name="a100", description="NVIDIA A100 SXM4 80 GB",
       bf16_flops=312e12, fp8_flops=None, hbm_bytes=80e9, hbm_bandwidth=2039e9,
-      fast_link_bandwidth=300e9, slow_link_bandwidth=25e9, fast_group=8,
+      fast_link_bandwidth=300e9, slow_link_bandwidth=25e9, fast_group=8, host_bytes=1e12 / 8,
       sources={
           "bf16_flops": f"{A100_DATASHEET}: BF16 Tensor Core 312 TFLOPS (624 with sparsity); {MEGATRON} uses "
                         "the same 312 teraFLOP/s as the A100's 16-bit peak",
@@ -79,16 +92,17 @@ def _a100() -> DeviceKind:
           "slow_link_bandwidth": f"{MEGATRON}: each DGX A100 node has eight 200 Gbps HDR InfiniBand HCAs for "
                                  "application traffic; 8 x 200 Gb/s / 8 GPUs = 200 Gb/s = 25 GB/s per GPU",
           "fast_group": f"{MEGATRON}: 8 A100s per node over NVLink and NVSwitch; {BOOK_GPUS}: node size 8",
+          "host_bytes": f"{MLPERF_A100}: host_memory_capacity '1TB' for 8 GPUs; 1 TB / 8 = 125 GB per GPU",
       })
 
 
 def _hopper(name: str, description: str, hbm_bytes: float, hbm_bandwidth: float, page: str,
-            memory_source: str) -> DeviceKind:
+            memory_source: str, host_bytes: float, host_source: str) -> DeviceKind:
   """H100 and H200 are the same GH100 compute and NVLink 4; they differ in memory only."""
   return DeviceKind(
       name=name, description=description,
       bf16_flops=989.5e12, fp8_flops=1979e12, hbm_bytes=hbm_bytes, hbm_bandwidth=hbm_bandwidth,
-      fast_link_bandwidth=450e9, slow_link_bandwidth=50e9, fast_group=8,
+      fast_link_bandwidth=450e9, slow_link_bandwidth=50e9, fast_group=8, host_bytes=host_bytes,
       sources={
           "bf16_flops": f"{page}: SXM BF16 Tensor Core 1,979 TFLOPS with sparsity; dense 1,979 / 2 = 989.5 "
                         f"TFLOPS ({BOOK_GPUS}, spec table: 9.9e14)",
@@ -102,6 +116,7 @@ def _hopper(name: str, description: str, hbm_bytes: float, hbm_bandwidth: float,
                                  f"ConnectX-7 NICs, one per GPU; {HGX_FACTORY_RA}: '2-8-9-400', 400 Gb/s per "
                                  "GPU; 400 Gb/s = 50 GB/s per GPU",
           "fast_group": f"{BOOK_GPUS}, Networking table: Hopper node (NVLink domain) of 8 GPUs",
+          "host_bytes": host_source,
       })
 
 
@@ -109,7 +124,7 @@ def _b200() -> DeviceKind:
   return DeviceKind(
       name="b200", description="NVIDIA B200 (HGX/DGX B200, 180 GB)",
       bf16_flops=2.25e15, fp8_flops=4.5e15, hbm_bytes=180e9, hbm_bandwidth=8e12,
-      fast_link_bandwidth=900e9, slow_link_bandwidth=50e9, fast_group=8,
+      fast_link_bandwidth=900e9, slow_link_bandwidth=50e9, fast_group=8, host_bytes=1.8e12 / 8,
       sources={
           "bf16_flops": f"{HGX_PAGE}: FP16/BF16 Tensor Core 4.5 PFLOPS per GPU with sparsity; dense 2.25 "
                         f"PFLOPS ({BOOK_GPUS}, spec table: 2.3e15, text: 2250e12)",
@@ -127,6 +142,7 @@ def _b200() -> DeviceKind:
           "slow_link_bandwidth": f"{DGX_B200_GUIDE}: 8 ConnectX-7 single-port cards for the cluster network; "
                                  f"{HGX_FACTORY_RA}: 400 Gb/s per GPU; 400 Gb/s = 50 GB/s per GPU",
           "fast_group": f"{BOOK_GPUS}, Networking table: Blackwell B200 node of 8 GPUs (72 for GB200 NVL72)",
+          "host_bytes": f"{MLPERF_B200}: host_memory_capacity '1.8 TB' for 8 GPUs; 1.8 TB / 8 = 225 GB per GPU",
       })
 
 
@@ -140,7 +156,7 @@ def _tpu_v4() -> DeviceKind:
   return DeviceKind(
       name="tpu_v4", description="Google Cloud TPU v4",
       bf16_flops=275e12, fp8_flops=None, hbm_bytes=32 * GIB, hbm_bandwidth=1200e9,
-      fast_link_bandwidth=6 * 4.5e10, slow_link_bandwidth=6.25e9, fast_group=4096,
+      fast_link_bandwidth=6 * 4.5e10, slow_link_bandwidth=6.25e9, fast_group=4096, host_bytes=None,
       sources={
           "bf16_flops": f"{TPU_V4_DOCS}: peak compute per chip 275 teraflops (bf16 or int8)",
           "fp8_flops": f"{TPU_V4_DOCS}: lists bf16 and int8 only",
@@ -152,6 +168,7 @@ def _tpu_v4() -> DeviceKind:
           "slow_link_bandwidth": f"not found for v4 specifically; from {BOOK_TPUS}: DCN 'typically around "
                                  "6.25e9 bytes / second per TPU' (its exceptions are v5e, v6e and TPU7x)",
           "fast_group": f"{TPU_V4_DOCS}: TPU Pod size 4096 chips",
+          "host_bytes": NO_TPU_OFFLOAD,
       })
 
 
@@ -159,7 +176,7 @@ def _tpu_v5e() -> DeviceKind:
   return DeviceKind(
       name="tpu_v5e", description="Google Cloud TPU v5e",
       bf16_flops=197e12, fp8_flops=None, hbm_bytes=16e9, hbm_bandwidth=819e9,
-      fast_link_bandwidth=4 * 4.5e10, slow_link_bandwidth=25 * GBIT, fast_group=256,
+      fast_link_bandwidth=4 * 4.5e10, slow_link_bandwidth=25 * GBIT, fast_group=256, host_bytes=None,
       sources={
           "bf16_flops": f"{TPU_V5E_DOCS}: peak compute per chip (bf16) 197 TFLOPs",
           "fp8_flops": f"{TPU_V5E_DOCS}: lists bf16 and Int8 (393) only",
@@ -172,6 +189,7 @@ def _tpu_v5e() -> DeviceKind:
                                  "6.4 Tbps per 256-chip pod; either way 25 Gb/s = 3.125e9 bytes/s per chip "
                                  f"({BOOK_TPUS}: 3.125e9)",
           "fast_group": f"{TPU_V5E_DOCS}: TPU Pod size 256 chips",
+          "host_bytes": NO_TPU_OFFLOAD,
       })
 
 
@@ -179,7 +197,7 @@ def _tpu_v5p() -> DeviceKind:
   return DeviceKind(
       name="tpu_v5p", description="Google Cloud TPU v5p",
       bf16_flops=459e12, fp8_flops=459e12, hbm_bytes=95 * GIB, hbm_bandwidth=2765e9,
-      fast_link_bandwidth=6 * 9e10, slow_link_bandwidth=50 * GBIT, fast_group=6144,
+      fast_link_bandwidth=6 * 9e10, slow_link_bandwidth=50 * GBIT, fast_group=6144, host_bytes=None,
       sources={
           "bf16_flops": f"{TPU_V5P_DOCS}: peak compute per chip (BF16) (TFLOPs) 459",
           "fp8_flops": f"{TPU_V5P_DOCS}: peak compute per chip (FP8) (TFLOPs) 459, the same as bf16: fp8 "
@@ -193,6 +211,7 @@ def _tpu_v5p() -> DeviceKind:
                                  f"6.25e9 bytes/s ({BOOK_TPUS}: 6.25e9)",
           "fast_group": f"{TPU_V5P_DOCS}: the largest job that can be scheduled is 6144 chips (16x16x24); the "
                         "pod has 8960, joined beyond 6144 only by Multislice over DCN",
+          "host_bytes": NO_TPU_OFFLOAD,
       })
 
 
@@ -200,7 +219,7 @@ def _tpu_v6e() -> DeviceKind:
   return DeviceKind(
       name="tpu_v6e", description="Google Cloud TPU v6e (Trillium)",
       bf16_flops=918e12, fp8_flops=None, hbm_bytes=32e9, hbm_bandwidth=1640e9,
-      fast_link_bandwidth=4 * 9e10, slow_link_bandwidth=100 * GBIT, fast_group=256,
+      fast_link_bandwidth=4 * 9e10, slow_link_bandwidth=100 * GBIT, fast_group=256, host_bytes=None,
       sources={
           "bf16_flops": f"{TPU_V6E_DOCS}: peak compute per chip (bf16) 918 TFLOPs ({BOOK_TPUS}: 9.20e14)",
           "fp8_flops": f"{TPU_V6E_DOCS}: lists bf16 and Int8 (1836 TOPs) only",
@@ -214,16 +233,19 @@ def _tpu_v6e() -> DeviceKind:
                                  "per 256-chip pod; either way 100 Gb/s = 12.5e9 bytes/s per chip "
                                  f"({BOOK_TPUS}: 12.5e9)",
           "fast_group": f"{TPU_V6E_DOCS}: TPU Pod size 256 chips",
+          "host_bytes": NO_TPU_OFFLOAD,
       })
 
 
 KINDS: dict[str, DeviceKind] = {kind.name: kind for kind in (
     _a100(),
     _hopper("h100", "NVIDIA H100 SXM5 80 GB", 80e9, 3.35e12, H100_PAGE,
-            f"{H100_PAGE}: H100 SXM GPU memory 80GB, bandwidth 3.35TB/s ({BOOK_GPUS}: 80GB, 3.35TB/s)"),
+            f"{H100_PAGE}: H100 SXM GPU memory 80GB, bandwidth 3.35TB/s ({BOOK_GPUS}: 80GB, 3.35TB/s)",
+            2e12 / 8, f"{MLPERF_H100}: host_memory_capacity '2 TB' for 8 GPUs; 2 TB / 8 = 250 GB per GPU"),
     _hopper("h200", "NVIDIA H200 SXM 141 GB", 141e9, 4.8e12, H200_PAGE,
             f"{H200_PAGE}: H200 SXM GPU memory 141GB, bandwidth 4.8TB/s ({BOOK_GPUS}, spec tables: 141GB, "
-            "4.8e12)"),
+            "4.8e12)",
+            2e12 / 8, f"{MLPERF_H200}: host_memory_capacity '2 TB' for 8 GPUs; 2 TB / 8 = 250 GB per GPU"),
     _b200(), _tpu_v4(), _tpu_v5e(), _tpu_v5p(), _tpu_v6e())}
 
 

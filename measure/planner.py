@@ -4,9 +4,10 @@ A layout is a mesh (data, tensor, pipeline, sequence, expert, and which of data
 and pipeline cross the slow tier between slices or hosts) and the settings that
 go with it (ZeRO stage and hybrid groups, pipeline schedule, micro-batches and
 virtual stages, the attention strategy over `sequence`, the remat policy,
-gradient accumulation and MLP chunking). Legal means what `train.py` itself
+gradient accumulation, MLP and loss chunking). Legal means what `train.py` itself
 accepts (parallel/checks.py), and tensor, sequence and expert stay inside one
 fast-tier group. Each layout's memory per device comes from measure/estimate.py
+(and what an offloading policy parks in host memory must fit the host's share)
 and its step time from measure/step_time.py.
 
 The search stays quick for any cluster by pruning before scoring: mesh shapes
@@ -32,11 +33,14 @@ from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, hybrid
 from parallel.schedules import SCHEDULES
 
 # The memory knobs, fastest first within each: what the backward pass keeps (every model.remat policy;
-# tests/test_planner.py holds the two lists equal), and the MLP whole or in chunks of this many tokens
-# per device (recomputed in the backward pass).
+# tests/test_planner.py holds the two lists equal), the MLP whole or in chunks of this many tokens
+# per device (recomputed in the backward pass), and the head and loss in chunks of this many tokens per
+# device (the config's default, then a quarter of its logits; step_time prices both alike, so a smaller
+# chunk is chosen only where it makes a layout fit).
 REMAT_ORDER = ("none", "save_dots", "save_attention", "offload", "full", "full_offload")
 MLP_CHUNKS = (0, 4096)
-MEMORY_KNOBS = ("model.remat", "model.mlp_chunk", "grad_accum")
+LOSS_CHUNKS = (4096, 1024)
+MEMORY_KNOBS = ("model.remat", "model.mlp_chunk", "model.loss_chunk", "grad_accum")
 VIRTUAL_STAGES = (2, 4)
 
 
@@ -59,7 +63,8 @@ class Choice:
     """The settings beside the mesh, short: `zero=3 group=8 1f1b M=16 remat=full accum=2`."""
     short = {"sharding.zero": "zero", "sharding.fsdp_group": "group", "pipeline.schedule": "",
              "pipeline.virtual_stages": "V", "pipeline.microbatches": "M", "attention.context": "",
-             "model.remat": "remat", "model.mlp_chunk": "mlp_chunk", "grad_accum": "accum"}
+             "model.remat": "remat", "model.mlp_chunk": "mlp_chunk", "model.loss_chunk": "loss_chunk",
+             "grad_accum": "accum"}
     return " ".join(f"{name}={self.flags[key]}" if name else str(self.flags[key])
                     for key, name in short.items() if key in self.flags)
 
@@ -146,25 +151,27 @@ def legal(run: Run, mesh: dict) -> bool:
 
 def memory_knobs(run: Run, mesh: dict, kind_has_host_link: bool):
   """Flags of the memory knobs in the order to try them: remat policies fastest first, then the MLP
-  in chunks (where a device's micro-batch has more tokens than a chunk), then more micro-batches of
-  accumulation (each a smaller step's worth held at once)."""
+  in chunks and the head and loss in smaller chunks (each where a device's micro-batch has more tokens
+  than a chunk), then more micro-batches of accumulation (each a smaller step's worth held at once)."""
   micro = run.pipeline.microbatches if mesh[PIPELINE] > 1 else 1
   per_replica = run.batch_size // (mesh[DATA] * mesh[EXPERT] * micro)
   accums = [a for a in divisors(per_replica) if a & (a - 1) == 0]  # powers of two
   policies = [p for p in REMAT_ORDER if kind_has_host_link or "offload" not in p]
   tokens = per_replica * run.model.max_len // mesh[SEQUENCE]
   chunks = [c for c in MLP_CHUNKS if c < tokens]
-  for remat, chunk in itertools.product(policies, chunks):
-    yield [{"model.remat": remat, "model.mlp_chunk": chunk, "grad_accum": a} for a in accums]
+  losses = [LOSS_CHUNKS[0]] + [c for c in LOSS_CHUNKS[1:] if c < tokens]
+  for remat, chunk, loss in itertools.product(policies, chunks, losses):
+    yield [{"model.remat": remat, "model.mlp_chunk": chunk, "model.loss_chunk": loss, "grad_accum": a}
+           for a in accums]
 
 
 def search(config, cluster: Cluster, weights: list, achievable: float, headroom: float = 0.1,
            top: int = 10, fixed: dict | None = None) -> Plan:
   """The `top` fastest layouts of `config` (its batch_size and max_len as given) that fit on `cluster`
-  with `headroom` of each device's memory left free; `fixed` (dotted keys) keeps only the layouts
-  with those values (a published run's mesh and remat policy, say)."""
+  with `headroom` of each device's memory, and of its share of host memory, left free; `fixed` (dotted
+  keys) keeps only the layouts with those values (a published run's mesh and remat policy, say)."""
   fixed = fixed or {}
-  budget = cluster.kind.hbm_bytes * (1 - headroom)
+  budget = cluster.kind.hbm_bytes * (1 - headroom), (cluster.kind.host_bytes or 0) * (1 - headroom)
   host_link = step_time.host_link_bandwidth(cluster) is not None
   run = run_of(config)
   best_cases, meshes, scored = [], 0, 0
@@ -197,7 +204,8 @@ def search(config, cluster: Cluster, weights: list, achievable: float, headroom:
 
 
 def _best_fitting(config, run, flags, mesh, slow, cluster, weights, achievable, budget, host_link, fixed):
-  """The fastest settings of the memory knobs of `run` (read from `config`) of the memory knobs that fit `budget`, as a Choice (None if none fits), and how
+  """The fastest settings of the memory knobs of `run` (read from `config`) that fit `budget` (bytes on the
+  device, bytes in host memory), as a Choice (None if none fits), and how
   many settings were scored. Each remat policy and chunking is a ladder of more and more micro-batches,
   whose first rung is its fastest; ladders are climbed fastest first rung first, each only while its
   rungs can still beat the best fit found, and stop at their first fit (more micro-batches only add
@@ -217,7 +225,7 @@ def _best_fitting(config, run, flags, mesh, slow, cluster, weights, achievable, 
     for knobs, candidate in rungs:
       tried += 1
       memory = estimate.memory(candidate, mesh, weights)
-      if sum(memory.values()) > budget:
+      if sum(memory.values()) > budget[0] or estimate.host_memory(candidate, mesh) > budget[1]:
         continue
       predicted = step_time.predict(candidate, mesh, slow, cluster, weights, achievable)
       if best is None or predicted.step < best.time.step:
@@ -248,8 +256,8 @@ def _agrees(config, flags: dict, fixed: dict, exclude: tuple = ()) -> bool:
 def smallest_fitting_cluster(config, cluster: Cluster, weights: list, headroom: float = 0.1,
                              most: int = 2**20) -> int | None:
   """The fewest devices of the cluster's kind (doubling from its size) on which some layout fits, by
-  memory alone: ZeRO-3 over every data device, full recomputation, the MLP in chunks and the most
-  micro-batches; None below `most`."""
+  memory alone: ZeRO-3 over every data device, full recomputation, the MLP and the loss in chunks and the
+  most micro-batches; None below `most`."""
   budget = cluster.kind.hbm_bytes * (1 - headroom)
   run = run_of(config)
   devices = cluster.devices * 2
@@ -259,7 +267,8 @@ def smallest_fitting_cluster(config, cluster: Cluster, weights: list, headroom: 
       for flags in structures(run, mesh, slow):
         if flags.get("sharding.zero") != 3 or "sharding.fsdp_group" in flags:
           continue
-        lean = configured(run, {**flags, "model.remat": "full", "model.mlp_chunk": MLP_CHUNKS[-1]})
+        lean = configured(run, {**flags, "model.remat": "full", "model.mlp_chunk": MLP_CHUNKS[-1],
+                                "model.loss_chunk": LOSS_CHUNKS[-1]})
         per_replica = lean.batch_size // (mesh[DATA] * mesh[EXPERT] *
                                            (lean.pipeline.microbatches if mesh[PIPELINE] > 1 else 1))
         lean = dataclasses.replace(lean, grad_accum=max(a for a in divisors(max(per_replica, 1)) if a & (a - 1) == 0))
