@@ -28,8 +28,13 @@ class SurvivingCheckpoints(Checkpoints):
     """Save with `processes` from `step` on, after some were lost or came back.
 
     The old manager is dropped unclosed: closing waits at barriers that the lost processes
-    would never reach. Its saves had finished: a failed step is redone before any save.
+    would never reach. A save it still had in flight is abandoned, and said so: orbax finishes it in
+    a thread that is not a daemon and waits at the lost processes' barrier for up to its 20-minute
+    timeout, so this process can only exit after that.
     """
+    if self._manager is not None and self._manager.is_saving_in_progress():
+      self._log(f"the save of step {self._manager.latest_step()} was in flight when the processes changed; it is "
+                "abandoned, and this process may wait up to orbax's 20-minute barrier as it exits.")
     # `since` keeps the barrier names apart from an earlier manager's over the same processes.
     self._manager = self._open(ocp.options.MultiprocessingOptions(
         primary_host=0, active_processes=processes,
