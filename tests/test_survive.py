@@ -19,6 +19,7 @@ from resilience.redundancy import survival_problem
 from resilience.state_transfer import local_move_suffices, move_state, relocate, share_state
 from resilience.survive import Survivor, shrunk_config, spread
 from resilience.survive_events import ProcessesRejoined
+from resilience.surviving_checkpoints import SurvivingCheckpoints
 from training.state import abstract_inputs, init_state, plan
 
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
@@ -329,3 +330,14 @@ def test_a_second_loss_before_the_new_layouts_first_copy_rolls_back_to_the_copy_
   # Where the older copy lost a shard too, its own sentence says which.
   survivor._older_copy = types.SimpleNamespace(step=2, missing=lambda live_processes: "shard [0:2] was lost")
   assert survivor._unrecoverable(jax.devices()[:4]) == "shard [0:2] was lost"
+
+
+def test_a_save_in_flight_when_the_processes_change_is_abandoned_in_a_line(tmp_path):
+  # Orbax's thread finishing that save waits at the lost processes' barrier: the survivor's exit waits too.
+  said = []
+  checkpoints = SurvivingCheckpoints(str(tmp_path), joining=False, log=said.append, every=2, keep=None)
+  checkpoints._manager = types.SimpleNamespace(is_saving_in_progress=lambda: True, latest_step=lambda: 2)
+  checkpoints.reopen_for({0}, step=3)
+  assert said == ["the save of step 2 was in flight when the processes changed; it is abandoned, and this "
+                  "process may wait up to orbax's 20-minute barrier as it exits."]
+  checkpoints.close()
