@@ -152,6 +152,10 @@ def base() -> ml_collections.ConfigDict:
   c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | interleaved; used when mesh.pipeline > 1
   c.pipeline.microbatches = 4  # M: bubble/total is (P - 1) / (M + P - 1), bubble/ideal (P - 1) / M
   c.pipeline.virtual_stages = 2  # V: layer chunks per device for `interleaved`
+  # Layers of the first and last chunks (virtual stages), the chunks between splitting the rest equally, for
+  # layer counts that do not divide (Llama 3 405B: 126 over 16 stages as 7, 8 x 14, 7); 0 and 0: equal chunks
+  c.pipeline.first_stage_layers = 0
+  c.pipeline.last_stage_layers = 0
 
   c.sharding = ml_collections.ConfigDict()
   c.sharding.zero = 0  # 0: replicated; 1: optimizer state over data; 3: params too (FSDP)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jax_core
 
-from measure.sizes import dims, held_layers, run_of
+from measure.sizes import dims, held_layers, run_of, stage_elements, stage_layers, stage_units
 from model.attention import largest_divisor
 from model.config import ModelConfig
 from model.transformer import chunk_count, chunk_positions, scan_blocks
@@ -221,7 +221,7 @@ def activations(run, d: Dims, weights: list[Weight]) -> int:
   `tools/context_memory.py --estimate`).
   """
   run = run_of(run)
-  mesh, layers, f32 = d.mesh, run.model.num_layers // d.mesh[PIPELINE], F32_BYTES
+  mesh, layers, f32 = d.mesh, stage_layers(run, d.mesh), F32_BYTES
   loss = _loss_bytes(d)
   residuals = _recomputed_layer_bytes(run, d)
   mlp = residuals + _mlp_gradient_bytes(run, d)
@@ -240,6 +240,9 @@ def activations(run, d: Dims, weights: list[Weight]) -> int:
   if mesh[PIPELINE] == 1:
     return held * saved + max(working, loss)
   stages, micro = mesh[PIPELINE], run.pipeline.microbatches
+  # Unequal stages gather each device's chunks whole for the step, in float32, and their gradients beside them
+  # (parallel/pipeline.py `_stage_view`).
+  working += 2 * _stage_weight_bytes(run, mesh, weights) if stage_units(run, mesh) else 0
   if schedules.SCHEDULES[run.pipeline.schedule].stashes:
     # The head runs on 1/P of each micro-batch's tokens, as one row chunked by model.loss_chunk.
     tokens = d.batch * d.length // stages
@@ -261,5 +264,4 @@ def activations(run, d: Dims, weights: list[Weight]) -> int:
 
 def _stage_weight_bytes(run, mesh, weights) -> int:
   """The stacked weights one stage holds, whole over `data`, in the parameter dtype."""
-  return sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights if w.stacked) * \
-      MASTER_BYTES
+  return sum(stage_elements(run, mesh, w) for w in weights if w.stacked) * MASTER_BYTES

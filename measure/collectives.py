@@ -8,7 +8,7 @@ import collections
 import math
 
 from measure.sizes import (compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
-                           optimizer_of, run_of)
+                           optimizer_of, run_of, stage_elements, stage_layers, stage_units, stored_table)
 from parallel import context, experts, rules, schedules
 from parallel.costs import (F32_BYTES, MASTER_BYTES, Weight, all_reduce, axes_key, gather, shard_elements,
                             sharded_over)
@@ -26,12 +26,14 @@ def collectives(run, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str],
 
 def collectives_by_source(run, mesh: dict, weights: list[Weight]) -> dict[str, dict[tuple[str, str], int]]:
   """collectives' bytes by what sends them: "gradients" (data parallelism and ZeRO), "tensor",
-  "pipeline", "context" (the `sequence` axis) and "experts"; a step-time model overlaps each its own way."""
+  "pipeline", "stages" (unequal stages' gathers), "context" (the `sequence` axis), "experts" and "optimizer";
+  a step-time model overlaps each its own way."""
   run = run_of(run)
   out = {}
   for source, count in (("gradients", lambda t: _gradients(run, mesh, weights, t)),
                         ("tensor", lambda t: _tensor_parallel(run, mesh, t)),
                         ("pipeline", lambda t: _pipeline(run, mesh, t)),
+                        ("stages", lambda t: _stage_view(run, mesh, weights, t)),
                         ("context", lambda t: _context(run, mesh, t)),
                         ("experts", lambda t: _experts(run, mesh, t)),
                         ("optimizer", lambda t: _optimizer(run, mesh, weights, t))):
@@ -63,18 +65,23 @@ def _gradients(run, mesh, weights, traffic):
   token_axes = {a for a in (DATA, EXPERT, SEQUENCE) if mesh[a] > 1}
   tied = run.model.traits.tied_head
   for w in weights:
-    # The weight as the step uses it: sharded over tensor and pipeline, whole over data.
-    used = shard_elements(w, mesh, rules.weight_rules(0)) * param_bytes
+    # The weight as the step's gradients and ZeRO see it: sharded over tensor and pipeline (a stack of
+    # unequal stages by `embed`, parallel/stages.py), whole over data.
+    table = lambda rule_set: stored_table(run, mesh, w, rule_set)
+    used = shard_elements(w, mesh, table(rules.weight_rules(0))) * param_bytes
     # ZeRO splits a weight over its axis only where the weight's own layout does not already (hybrid
     # sharding's groups on `expert` hold a MoE model's experts whole, one set per device, as experts do).
-    zero_splits = lambda table: axis in sharded_over(w, mesh, table) - sharded_over(w, mesh, rules.weight_rules(0))
+    zero_splits = lambda rule_set: axis in sharded_over(w, mesh, table(rule_set)) - sharded_over(
+        w, mesh, table(rules.weight_rules(0)))
     fsdp = zero == 3 and zero_splits(rules.weight_rules(3, axis))
     scatter = axis in token_axes and zero_splits(rules.optimizer_rules(zero, axis))
     uses = 2 if tied and w.axes == ("vocab", "embed") and not (scatter or pipelined) else 1
     # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
-    # Under a pipeline the weights outside the stages are also summed over `pipeline`.
-    replicas = ((token_axes - sharded_over(w, mesh, rules.weight_rules(0)) - ({axis} if scatter else set()))
-                | ({PIPELINE} if pipelined and not w.stacked else set()))
+    # Under a pipeline a weight not split over `pipeline` (those outside the stages, and a stack of unequal
+    # stages' weights without an `embed` axis) is also summed over it.
+    split = sharded_over(w, mesh, table(rules.weight_rules(0)))
+    replicas = ((token_axes - split - ({axis} if scatter else set()))
+                | ({PIPELINE} if pipelined and PIPELINE not in split else set()))
     grad = used
     if scatter:
       traffic[("reduce-scatter", axis)] += accum * uses * gather(used, mesh[axis])
@@ -122,7 +129,7 @@ def _tensor_parallel(run, mesh, traffic):
     return
   d, t = dims(run, mesh), mesh[TENSOR]
   forward, backward = layer_passes(run, mesh)
-  layers = run.model.num_layers // mesh[PIPELINE]
+  layers = stage_layers(run, mesh)
   tokens = all_reduce(d.activation_bytes(d.embed), t)
   per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
   if run.model.num_experts:
@@ -150,6 +157,18 @@ def _pipeline(run, mesh, traffic):
     traffic[key] += run.grad_accum * value
 
 
+def _stage_view(run, mesh, weights, traffic):
+  """Unequal stages (parallel/pipeline.py `_stage_view`): per accumulated micro-batch, each stacked weight
+  split by `embed` crosses one all-to-all to its stages' devices in float32 and its gradient one back; a
+  device receives its chunks' slots whole, (P - 1) / P of them from the others."""
+  if stage_units(run, mesh) is None:
+    return
+  for w in weights:
+    if w.stacked and PIPELINE in sharded_over(w, mesh, stored_table(run, mesh, w, rules.weight_rules(0))):
+      traffic[("all-to-all", PIPELINE)] += 2 * run.grad_accum * gather(
+          stage_elements(run, mesh, w) * MASTER_BYTES, mesh[PIPELINE])
+
+
 def _context(run, mesh, traffic):
   """Attention over a sharded `length`: per layer, forward and backward, as its strategy sends it
   (parallel/context.py)."""
@@ -158,7 +177,7 @@ def _context(run, mesh, traffic):
     return
   d = dims(run, mesh)
   forward, backward = layer_passes(run, mesh)
-  layers = run.model.num_layers // mesh[PIPELINE]  # a pipeline stage's
+  layers = stage_layers(run, mesh)  # a pipeline stage's
   for key, (in_forward, in_backward) in context.STRATEGIES[run.attention.context].sent(d, shards).items():
     traffic[key] += layers * (forward * in_forward + backward * in_backward)
   if mesh[PIPELINE] > 1 and run.model.num_experts:
@@ -177,7 +196,7 @@ def _experts(run, mesh, traffic):
     return
   d, m = dims(run, mesh), run.model
   forward, backward = layer_passes(run, mesh)
-  layers = run.model.num_layers // m.moe_every // mesh[PIPELINE]
+  layers = stage_layers(run, mesh) // m.moe_every
   capacity = expert_slots(m, d.full_length)
   tokens = m.num_experts * d.batch * capacity * d.embed * d.compute_bytes
   for key, value in experts.sent(tokens, mesh[EXPERT]).items():

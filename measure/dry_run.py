@@ -128,7 +128,7 @@ def saved_section(layout: Layout, config, compiled) -> str:
   device's layers and tokens of one micro-batch beside the compiled step's temporaries."""
   mesh = dict(layout.mesh.shape)
   return saved_for_backward.format_budget(
-      saved_for_backward.budget(layout.model), layers=config.model.num_layers // mesh[PIPELINE],
+      saved_for_backward.budget(layout.model), layers=estimate.stage_layers(config, mesh),
       tokens=estimate.dims(config, mesh).tokens, temporaries=analysis.memory_summary(compiled)["temp_bytes"],
       tensor=mesh[TENSOR])
 

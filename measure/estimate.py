@@ -17,7 +17,7 @@ from measure.activations import host_memory, saved_per_layer
 from measure.collectives import collectives, collectives_by_source
 from measure.flops import flops, ideal_flops, optimizer_flops, stage_forward
 from measure.memory import memory
-from measure.sizes import dims, layer_passes
+from measure.sizes import dims, layer_passes, stage_elements, stage_layers
 
 __all__ = ["collectives", "collectives_by_source", "dims", "flops", "host_memory", "ideal_flops", "layer_passes",
-           "memory", "optimizer_flops", "saved_per_layer", "stage_forward"]
+           "memory", "optimizer_flops", "saved_per_layer", "stage_elements", "stage_forward", "stage_layers"]

@@ -5,7 +5,7 @@ cost); and the textbook's ideal, 6N per token plus attention."""
 import math
 
 from measure.sizes import (dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs, optimizer_of,
-                           run_of)
+                           run_of, stage_elements, stage_layers)
 from parallel import context, rules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
@@ -23,9 +23,8 @@ def stage_forward(run, d: Dims, mesh, weights) -> dict[str, int]:
   token each.
   """
   run = run_of(run)
-  layers = run.model.num_layers // mesh[PIPELINE]
-  matrices = lambda keep: sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights
-                              if w.stacked and is_matrix(w) and keep(w))
+  layers = stage_layers(run, mesh)
+  matrices = lambda keep: sum(stage_elements(run, mesh, w) for w in weights if w.stacked and is_matrix(w) and keep(w))
   attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * layers
   attention = context.scored_flops(d.context, attention, mesh[SEQUENCE])
   parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),

@@ -4,7 +4,7 @@ the backward pass (measure/activations.py); each sized by the rules table (paral
 with. Nothing is compiled or allocated."""
 
 from measure.activations import activations
-from measure.sizes import dims, run_of
+from measure.sizes import dims, run_of, stored_table
 from parallel import rules
 from parallel.costs import INT32_BYTES, MASTER_BYTES, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT
@@ -25,8 +25,9 @@ def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   too, measure/step_time.py)."""
   run = run_of(run)
   zero, axis = run.sharding.zero, rules.fsdp_axis(run.sharding)
-  params = sum(shard_elements(w, mesh, rules.weight_rules(zero, axis)) for w in weights) * MASTER_BYTES
-  moments = sum(shard_elements(w, mesh, rules.optimizer_rules(zero, axis)) * per_element
+  params = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.weight_rules(zero, axis)))
+               for w in weights) * MASTER_BYTES
+  moments = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.optimizer_rules(zero, axis))) * per_element
                 for w, per_element in zip(weights, optimizer_state_bytes(run, weights)))
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
   return {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1), "opt_state": moments}

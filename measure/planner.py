@@ -31,6 +31,7 @@ from parallel import context
 from parallel.checks import check_divides
 from parallel.mesh import AXES, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, hybrid_shape
 from parallel.schedules import SCHEDULES
+from parallel.stages import shorter_ends
 
 # The memory knobs, fastest first within each: what the backward pass keeps (every model.remat policy;
 # tests/test_planner.py holds the two lists equal), the MLP whole or in chunks of this many tokens
@@ -62,7 +63,8 @@ class Choice:
   def settings(self) -> str:
     """The settings beside the mesh, short: `zero=3 group=8 1f1b M=16 remat=full accum=2`."""
     short = {"sharding.zero": "zero", "sharding.fsdp_group": "group", "pipeline.schedule": "",
-             "pipeline.virtual_stages": "V", "pipeline.microbatches": "M", "attention.context": "",
+             "pipeline.virtual_stages": "V", "pipeline.microbatches": "M",
+             "pipeline.first_stage_layers": "first", "pipeline.last_stage_layers": "last", "attention.context": "",
              "model.remat": "remat", "model.mlp_chunk": "mlp_chunk", "model.loss_chunk": "loss_chunk",
              "grad_accum": "accum"}
     return " ".join(f"{name}={self.flags[key]}" if name else str(self.flags[key])
@@ -94,7 +96,8 @@ def mesh_shapes(run: Run, cluster: Cluster):
     for sequence in divisors(fast // tensor):
       for expert in (divisors(fast // (tensor * sequence)) if experts else [1]):
         rest = devices // (tensor * sequence * expert)
-        for pipeline in (p for p in divisors(rest) if units % p == 0):
+        # A stack that does not divide over the stages splits with shorter first and last stages.
+        for pipeline in (p for p in divisors(rest) if shorter_ends(units, 1, p) is not None):
           data = rest // pipeline
           for slow_pipeline in (g for g in divisors(groups) if pipeline % g == 0):
             slow_data = groups // slow_pipeline
@@ -121,9 +124,12 @@ def structures(run: Run, mesh: dict, slow: dict):
     stages, per_replica = mesh[PIPELINE], run.batch_size // (mesh[DATA] * mesh[EXPERT])
     counts = [m for m in divisors(per_replica) if m >= stages]
     plain = [name for name, schedule in SCHEDULES.items() if not schedule.virtual]
-    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": m} for s in plain for m in counts]
-    schedules += [{"pipeline.schedule": s, "pipeline.virtual_stages": v, "pipeline.microbatches": m}
-                  for s in SCHEDULES if s not in plain for v in VIRTUAL_STAGES for m in counts if m % stages == 0]
+    units, per_unit = run.model.num_units, run.model.layers_per_unit
+    schedules = [{"pipeline.schedule": s, "pipeline.microbatches": m, **shorter_ends(units, per_unit, stages)}
+                 for s in plain for m in counts]
+    schedules += [{"pipeline.schedule": s, "pipeline.virtual_stages": v, "pipeline.microbatches": m, **ends}
+                  for s in SCHEDULES if s not in plain for v in VIRTUAL_STAGES for m in counts if m % stages == 0
+                  if (ends := shorter_ends(units, per_unit, stages * v)) is not None]
   else:
     schedules = [{}]
   contexts = [{"attention.context": c} for c in context.STRATEGIES] if mesh[SEQUENCE] > 1 else [{}]

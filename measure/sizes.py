@@ -11,8 +11,8 @@ import numpy as np
 from model import moe
 from model.config import VOCAB_MULTIPLE, ModelConfig
 from model.transformer import chunk_count, chunk_positions
-from parallel import context, rules, schedules
-from parallel.costs import Dims, Weight
+from parallel import context, rules, schedules, stages as stage_split
+from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 from training import optimizer
 from training.state import model_config
@@ -23,6 +23,8 @@ class Pipeline:
   schedule: str
   microbatches: int
   virtual_stages: int
+  first_stage_layers: int = 0
+  last_stage_layers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,8 @@ def run_of(config) -> Run:
   p = config.pipeline
   return Run(model=model_config(config), batch_size=config.batch_size, grad_accum=config.grad_accum,
              attention=Attention(config.attention.context),
-             pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages),
+             pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages, p.first_stage_layers,
+                               p.last_stage_layers),
              sharding=Sharding(config.sharding.zero, config.sharding.fsdp_group), optimizer=config.optimizer,
              moments=config.precision.moments)
 
@@ -132,12 +135,47 @@ def layer_passes(run, mesh) -> tuple[int, int]:
   return forward * (2 if run.model.remat in ("full", "full_offload") else 1), backward
 
 
+def stage_units(run, mesh: dict) -> tuple[int, ...] | None:
+  """Units in each chunk (virtual stage) when the pipeline's stages are unequal (parallel/stages.py); None
+  when they are equal or there is no pipeline."""
+  run = run_of(run)
+  p, m = run.pipeline, run.model
+  if mesh[PIPELINE] == 1:
+    return None
+  return stage_split.stage_units(m.num_units, m.layers_per_unit, chunks=mesh[PIPELINE] * schedules.virtual_stages(p),
+                            first_layers=p.first_stage_layers, last_layers=p.last_stage_layers)
+
+
+def stage_layers(run, mesh: dict) -> int:
+  """The layers one device runs per micro-batch: its stage's, or with unequal stages the slots of its chunks,
+  the longest chunk's length each (every tick lasts as long as the longest chunk, and a device's busiest
+  slots set its memory)."""
+  run = run_of(run)
+  units = stage_units(run, mesh)
+  if units is None:
+    return run.model.num_layers // mesh[PIPELINE]
+  return schedules.virtual_stages(run.pipeline) * stage_split.slots(units) * run.model.layers_per_unit
+
+
+def stored_table(run, mesh: dict, w: Weight, table) -> tuple:
+  """The rules `table` as weight `w` lies by it: a stack of unequal stages split over `pipeline` by `embed`."""
+  return rules.split_by_embed(table) if w.stacked and stage_units(run, mesh) is not None else table
+
+
+def stage_elements(run, mesh: dict, w: Weight) -> int:
+  """Elements of a stacked weight that one device's stage computes with (whole over data): its
+  layers' (stage_layers) share of the weight laid out without `pipeline`."""
+  run = run_of(run)
+  whole = shard_elements(w, {**mesh, PIPELINE: 1}, rules.weight_rules(0))
+  return whole * stage_layers(run, mesh) // run.model.num_layers
+
+
 def held_layers(run, mesh: dict) -> tuple[int, int]:
   """(copies, layers): how many micro-batches' residuals a device holds at once, each for this many
   layers. One without a pipeline; 1F1B's stash slots; GPipe's and the interleaved schedule's every
   tick of the stage loop, each for the layers of one virtual stage."""
   run = run_of(run)
-  layers, stages = run.model.num_layers // mesh[PIPELINE], mesh[PIPELINE]
+  layers, stages = stage_layers(run, mesh), mesh[PIPELINE]
   if stages == 1:
     return 1, layers
   p, virtual = run.pipeline, schedules.virtual_stages(run.pipeline)

@@ -81,13 +81,13 @@ def hops(kind: str, inside: int, groups: int) -> dict[str, int]:
   return {tiers.FAST: rounds * (inside - 1), tiers.SLOW: rounds * (groups - 1)}
 
 
-def calls(run, mesh: dict, source: str, kind: str) -> int:
+def calls(run, mesh: dict, source: str, kind: str, weights: list) -> int:
   """How many times per step a source's collective of `kind` runs: once per layer and pass for the
   collectives inside the layers, per tick for a pipeline's hand-offs, per layer's bucket and micro-batch
   for gradient reductions (as XLA's and DDP's combiners group them)."""
   run = run_of(run)
   forward, backward = estimate.layer_passes(run, mesh)
-  layers = run.model.num_layers // mesh[PIPELINE]
+  layers = estimate.stage_layers(run, mesh)
   per_pass = (forward + backward) * layers
   if source == "tensor":
     return 2 * per_pass
@@ -102,6 +102,8 @@ def calls(run, mesh: dict, source: str, kind: str) -> int:
     return 2 * ticks * run.grad_accum
   if source == "optimizer":  # Muon gathers each matrix's momentum once per step
     return layers
+  if source == "stages":  # unequal stages: each stacked weight's all-to-all and its transpose
+    return 2 * run.grad_accum * sum(w.stacked for w in weights)
   if kind == "all-gather":  # ZeRO-3 gathers each layer's weights in each pass, ZeRO-1 the updated ones once
     return per_pass if run.sharding.zero == 3 else layers
   return run.grad_accum * layers
@@ -153,7 +155,7 @@ def offload_seconds(run, mesh: dict, cluster: Cluster) -> float:
                      f"{cluster.kind.name} has no figure here; plan with a policy that keeps to the device.")
   forward, _ = estimate.layer_passes(run, mesh)
   runs = forward // (2 if run.model.remat == "full_offload" else 1)
-  return 2 * saved * runs * (run.model.num_layers // mesh[PIPELINE]) / bandwidth
+  return 2 * saved * runs * estimate.stage_layers(run, mesh) / bandwidth
 
 
 def peak_flops(run, cluster: Cluster) -> float:
@@ -197,13 +199,14 @@ def predict(run, mesh: dict, slow: dict, cluster: Cluster, weights: list, achiev
   # A matmul's backward runs two of its three products; recomputation runs inside the backward pass too.
   backward_seconds = (flops["layers"] * 2 / 3 + flops["recompute"]) / rate
   window = {BACKWARD: backward_seconds, BOTH_PASSES: layers_seconds, ATTENTION: attention, EXPOSED: 0.0}
-  layers_per_stage = run.model.num_layers // stages
+  layers_per_stage = estimate.stage_layers(run, mesh)
   communication, exposed, totals = {}, {}, dict.fromkeys((tiers.FAST, tiers.SLOW), 0)
   for source, traffic in estimate.collectives_by_source(run, mesh, weights).items():
     split = tiers.split(traffic, mesh, slow, run.pipeline.schedule)
     hidden_by = {}
     for (kind, axes), by_tier in split.items():
-      seconds = collective_seconds(kind, axes, by_tier, calls(run, mesh, source, kind), mesh, slow, cluster)
+      seconds = collective_seconds(kind, axes, by_tier, calls(run, mesh, source, kind, weights), mesh, slow,
+                                   cluster)
       place = hiding_place(run, mesh, source, kind)
       hidden_by[place] = hidden_by.get(place, 0.0) + seconds
       for tier in totals:
@@ -254,8 +257,8 @@ def bytes_moved(run, mesh: dict, weights: list) -> dict[str, int]:
   run = run_of(run)
   d = estimate.dims(run, mesh)
   forward, backward = estimate.layer_passes(run, mesh)
-  layers = run.model.num_layers // mesh[PIPELINE]
-  matrices = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in weights if w.stacked and is_matrix(w))
+  layers = estimate.stage_layers(run, mesh)
+  matrices = sum(estimate.stage_elements(run, mesh, w) for w in weights if w.stacked and is_matrix(w))
   attention_unit = d.tokens * d.head_dim * (d.heads + d.kv_heads) * d.compute_bytes * layers
   between = estimate.saved_per_layer(replaced(run, {"model.remat": "none"}), mesh)["device"] * layers
   saved = estimate.saved_per_layer(run, mesh)["device"] * layers

@@ -69,10 +69,12 @@ def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
   return make(rngs)
 
 
-def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
+def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None):
   """Run the stacked units in order with nnx.scan, under the configured remat policy.
 
   Returns the output and each unit's router statistics stacked on a leading axis ({} when dense).
+  With `live_L`, a unit where it is False is skipped (lax.cond: no work), its statistics zero: the
+  slots beyond a shorter pipeline chunk's units (parallel/stages.py).
   """
 
   def apply_block(x_BTD, block, positions_T, segments_BT):
@@ -83,19 +85,41 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None):
 
   if cfg.remat != "none":
     apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
+  live = () if live_L is None else (live_L,)
+  if live:
+    apply_block = _unless_dead(apply_block)
   if cfg.scan_layers:
-    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None), out_axes=(nnx.Carry, 0))(
-        x_BTD, blocks, positions_T, segments_BT)
+    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, *[0] * len(live)), out_axes=(nnx.Carry, 0))(
+        x_BTD, blocks, positions_T, segments_BT, *live)
   # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
   # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
   # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
   graphdef, stack = nnx.split(blocks)
   stats = []
-  for unit in range(cfg.num_units):
+  for unit in range(jax.tree.leaves(stack)[0].shape[0]):
     x_BTD, unit_stats = apply_block(x_BTD, nnx.merge(graphdef, jax.tree.map(lambda p: p[unit], stack)),
-                                    positions_T, segments_BT)
+                                    positions_T, segments_BT, *(l_L[unit] for l_L in live))
     stats.append(unit_stats)
   return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
+
+
+def _unless_dead(apply_block):
+  """apply_block taking a `live` flag last: the block where it is True; where False (lax.cond: no work)
+  the input passed on and zero statistics."""
+  def apply(x_BTD, block, positions_T, segments_BT, live):
+    graphdef, state = nnx.split(block)
+    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT)
+    dead = lambda x_BTD, state: (x_BTD, jax.tree.map(_zeros_as, jax.eval_shape(run, x_BTD, state)[1]))
+    return jax.lax.cond(live, run, dead, x_BTD, state)
+  return apply
+
+
+def _zeros_as(shape: jax.ShapeDtypeStruct):
+  """Zeros of `shape`, varying over the manual axes it varies over inside a shard_map (lax.cond's branches
+  must agree on them)."""
+  varying = tuple(shape.manual_axis_type.varying)
+  zeros = jnp.zeros(shape.shape, shape.dtype)
+  return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
@@ -357,10 +381,11 @@ class LanguageModel(nnx.Module):
     """Float32 logits, the vocabulary's padding masked."""
     return masked_vocab(self.head_output(x_BTD), self.cfg)
 
-  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None):
-    """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense)."""
+  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None, live_L=None):
+    """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense); `live_L`
+    skips the units where it is False (scan_blocks)."""
     positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else positions_T
-    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT)
+    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT, live_L)
     return x_BTD, summarize(stats)
 
   def predict(self, tokens_BT):

@@ -6,6 +6,7 @@ from model.config import ModelConfig
 from parallel.context import STRATEGIES
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 from parallel.schedules import SCHEDULES, virtual_stages
+from parallel.stages import unequal_problem
 
 
 def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int, grad_accum: int,
@@ -47,6 +48,16 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   micro = batch_size // grad_accum
   if shape[PIPELINE] > 1:
     _check_pipeline(model, shape[PIPELINE], micro, data_parallel, pipeline)
+    if pipeline.first_stage_layers:
+      if shape[SEQUENCE] > 1 and context == "ring":
+        raise ValueError(
+            "attention.context=ring passes blocks round a ring that every device must run together, but a "
+            "shorter stage skips its empty layer slots (pipeline.first_stage_layers); use attention.context="
+            "allgather or ulysses, or equal stages.")
+      # Unequal stages lie split over `pipeline` by `embed` (parallel/stages.py), ahead of ZeRO-3's split.
+      split = shape[PIPELINE] * (shape[EXPERT if fsdp_group else DATA] if zero == 3 else 1)
+      _divides("model.embed_dim", model.embed_dim,
+               "the stage weights' split (mesh.pipeline" + (" x the FSDP axis)" if zero == 3 else ")"), split)
   if micro % data_parallel:
     raise ValueError(
         f"the micro-batch of {micro} sequences (batch_size={batch_size} / grad_accum={grad_accum}) "
@@ -64,13 +75,18 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
   stashes = SCHEDULES[schedule].stashes  # 1F1B: each micro-batch's head runs as it leaves the last stage
   chunks = stages * virtual
   # A chunk holds whole scanned units: single blocks, or a MoE model's groups of moe.every blocks.
-  if model.num_units % chunks:
+  problem = unequal_problem(model.num_units, model.layers_per_unit, chunks=chunks,
+                            first_layers=pipeline.first_stage_layers, last_layers=pipeline.last_stage_layers)
+  if problem:
+    raise ValueError(f"{problem}.")
+  if not pipeline.first_stage_layers and model.num_units % chunks:
     raise ValueError(
         f"model.num_layers={model.num_layers}"
         + (f" in groups of moe.every={model.moe_every}" if model.layers_per_unit > 1 else "")
         + f" does not split into mesh.pipeline={stages}"
         + (f" x pipeline.virtual_stages={virtual}" if SCHEDULES[schedule].virtual else "")
-        + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks * model.layers_per_unit}.")
+        + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks * model.layers_per_unit}, "
+        "or shorter first and last chunks (pipeline.first_stage_layers, pipeline.last_stage_layers).")
   if micro < 1 or batch % (micro * data_parallel):
     raise ValueError(
         f"pipeline.microbatches={micro} does not divide the batch of {batch} sequences into "

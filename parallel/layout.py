@@ -40,4 +40,7 @@ class Layout(Protocol):
   def virtual_stages(self) -> int: ...
 
   @property
+  def stage_units(self) -> tuple[int, ...] | None: ...  # units per chunk when the stages are unequal
+
+  @property
   def context(self) -> str: ...  # the attention strategy over `sequence`

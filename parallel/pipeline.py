@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from model.moe import AUX_LOSS
 from model.placement import placed
 from model.transformer import STACKED, packed_documents
-from parallel import context, jax_compat, microbatch, placement, schedules
+from parallel import context, jax_compat, microbatch, placement, schedules, stages as stage_split
 from parallel.layout import Layout
 from parallel.mesh import PIPELINE, SEQUENCE
 from parallel.rules import BATCH_AXES, as_entry, entry_axes
@@ -81,17 +81,26 @@ def loss_and_grads(layout: Layout, params, batch, scale=None):
   stages = layout.mesh.shape[PIPELINE]
 
   def body(params, tokens, scale):
+    if layout.stage_units is not None:  # unequal stages: gather this device's chunks from the stack's `embed` split
+      blocks, to_stored = jax.vjp(lambda stored: _stage_view(layout, weight_specs[STACKED], stored),
+                                  jax.tree.map(_varying, params[STACKED]))
+      params = {**params, STACKED: blocks}
     with placed(placement.for_stages(layout)):
       cross_entropy, figures, grads = schedule(layout, jax.tree.map(_varying, params), tokens, scale)
+    if layout.stage_units is not None:
+      grads = {**grads, STACKED: to_stored(grads[STACKED])[0]}
     cross_entropy, figures = jax.lax.psum((cross_entropy, figures), MANUAL)
-    stats = {"cross_entropy": cross_entropy, **_step_figures(figures, layout.microbatches, stages * virtual)}
+    chunk_units = jax.tree.leaves(params[STACKED])[0].shape[0] // virtual
+    stats = {"cross_entropy": cross_entropy,
+             **_step_figures(figures, layout.microbatches, layout.model.num_units / chunk_units)}
     return (cross_entropy + stats.get(AUX_LOSS, 0.0), stats), jax.tree.map(_reduce, grads, grad_specs, weight_specs)
 
   # Weights enter as the step uses them, without ZeRO's split (ZeRO-3 gathers them here, once per step, over
   # `data` or hybrid sharding's groups): split over `pipeline` (the stage weights) and over `expert` (a MoE
   # model's expert weights: each device runs its own experts).
   weight_specs = jax.tree.map(_manual, layout.used_shardings)
-  params = {**params, STACKED: _stage_major(params[STACKED], virtual, stages)}
+  if layout.stage_units is None:
+    params = {**params, STACKED: _stage_major(params[STACKED], virtual, stages)}
   scale = jnp.ones((), jnp.float32) if scale is None else scale
   tokens = _tokens(layout, batch)
   # A token's row splits over the batch's axes and its place in the sequence over `sequence`.
@@ -99,7 +108,9 @@ def loss_and_grads(layout: Layout, params, batch, scale=None):
   loss_stats, grads = jax.shard_map(
       body, mesh=layout.mesh, in_specs=(weight_specs, token_specs, P()),
       out_specs=(P(), grad_specs), axis_names=set(MANUAL))(params, tokens, scale)
-  return loss_stats, {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
+  if layout.stage_units is None:
+    grads = {**grads, STACKED: _stage_major(grads[STACKED], stages, virtual)}
+  return loss_stats, grads
 
 
 def _tokens(layout: Layout, batch) -> dict:
@@ -151,18 +162,46 @@ def _stage_major(blocks, outer: int, inner: int):
   return blocks if outer == 1 or inner == 1 else jax.tree.map(reorder, blocks)
 
 
-def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None):
+def _stage_view(layout: Layout, specs, stored):
+  """This device's chunks, [V x slots, ...] (parallel/stages.py), of a stack of unequal stages, which lies
+  split over `pipeline` by `embed`: each device picks every device's slots out of its share of `embed`,
+  and one all-to-all hands each device its own slots, whole. A weight without an `embed` axis lies whole
+  on every device, which picks its own. Autodiff's transpose brings each slot's gradient back to the
+  share it came from (the all-to-all reversed, then a scatter-add over the slots)."""
+  stages = layout.mesh.shape[PIPELINE]
+  units_PS = jnp.asarray(stage_split.slot_units(layout.stage_units, stages).reshape(stages, -1))
+
+  def view(w_LX, spec):
+    split = [d for d, entry in enumerate(spec) if PIPELINE in entry_axes(entry)]
+    if not split:
+      return jnp.take(w_LX, units_PS[jax.lax.axis_index(PIPELINE)], axis=0)
+    return jax.lax.all_to_all(jnp.take(w_LX, units_PS.reshape(-1), axis=0), PIPELINE, 0, split[0], tiled=True)
+
+  return jax.tree.map(view, stored, specs)
+
+
+def _live(layout: Layout, stage, chunk):
+  """Which of the slots of this stage's `chunk` hold units: None when the stages are equal (all of them)."""
+  if layout.stage_units is None:
+    return None
+  return jnp.asarray(stage_split.live_slots(layout.stage_units, layout.mesh.shape[PIPELINE]))[stage, chunk]
+
+
+def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None, live_L=None):
   """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
   micro-batch's, the same on each of the stage's token shards, so each holds 1/shards of it: summed over
-  the devices like the loss's shares, it counts once."""
-  y_bTD, figures = nnx.merge(layout.graphdef, {**params, STACKED: blocks}).run_blocks(x_bTD, positions_T, segments_bT)
+  the devices like the loss's shares, it counts once. `live_L` marks the slots that hold units (unequal
+  stages)."""
+  model = nnx.merge(layout.graphdef, {**params, STACKED: blocks})
+  y_bTD, figures = model.run_blocks(x_bTD, positions_T, segments_bT, live_L)
   return y_bTD, {key: _varying(value) / _shards(layout) for key, value in figures.items()}
 
 
-def _step_figures(totals, micro: int, chunks: int):
+def _step_figures(totals, micro: int, chunks: float):
   """The step's router figures from their sums over every (micro-batch, chunk of layers): a figure is the stack's
-  mean over its layers (model/moe.py `summarize`), of which the equal chunks hold equal shares, the auxiliary
-  loss the sum of theirs; and the step's is the mean over micro-batches, as grad_accum's."""
+  mean over its units (model/moe.py `summarize`) and each chunk's the mean over its slots (an empty slot's
+  zero), so `chunks` is the stack's units over a chunk's slots; the auxiliary loss is the sum of the
+  chunks'; and the step's figure is the mean over micro-batches, as grad_accum's."""
   return {key: total / (micro if key == AUX_LOSS else micro * chunks) for key, total in totals.items()}
 
 
@@ -228,7 +267,7 @@ def _circular(layout: Layout, params, tokens, scale):
           params[STACKED])
       # A bubble tick does no work: the stage runs under lax.cond (`_slot`), and so does its backward pass.
       run = functools.partial(_run_stage, layout, params, chunk, positions_T=tokens["positions"],
-                              segments_bT=_of_micro_batch(segments_MbT, m, micro))
+                              segments_bT=_of_micro_batch(segments_MbT, m, micro), live_L=_live(layout, stage, s // stages))
       y_bTD, figures = _slot(layout, valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
@@ -263,7 +302,7 @@ def _one_f_one_b(layout: Layout, params, tokens, scale):
   segments_MbT = _micro_batches(layout, tokens, "segments")
   # Micro-batch f through the stage (its packed documents' segments, where there are any).
   run_stage = lambda blocks, x_bTD, f: _run_stage(layout, shared, blocks, x_bTD, tokens["positions"],
-                                                   _of_micro_batch(segments_MbT, f, micro))
+                                                   _of_micro_batch(segments_MbT, f, micro), _live(layout, stage, 0))
 
   def differentiated(f):
     """The stage on micro-batch f as a function of (blocks, input) -> ((the stage's output, its auxiliary

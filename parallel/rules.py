@@ -52,6 +52,15 @@ def optimizer_rules(zero: int, axis: str = DATA) -> tuple:
   """ZeRO-1 and ZeRO-3 keep Adam's moments in the FSDP layout; ZeRO-0 mirrors the weights."""
   return weight_rules(3 if zero >= 1 else 0, axis)
 
+def split_by_embed(rules) -> tuple:
+  """`rules` for a stack that splits into unequal pipeline stages (parallel/stages.py): a mesh axis splits a
+  dimension only into equal parts, so its layers stay whole and `pipeline` splits its `embed` axis instead,
+  ahead of any ZeRO-3 split (the order in which the pipeline's gradients are scattered)."""
+  moved = lambda name, axes: (None if name == "layers" else
+                              (PIPELINE, *entry_axes(axes)) if name == "embed" else axes)
+  return tuple((name, moved(name, axes)) for name, axes in rules)
+
+
 def entry_axes(entry) -> tuple:
   """The mesh axes of one PartitionSpec entry (None, one axis name, or a tuple of them) as a tuple."""
   return (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -115,3 +115,17 @@ def test_a_misspelt_field_or_no_layout_to_print_is_refused_in_one_line(flag, say
   result = subprocess.run([sys.executable, "tools/plan.py", flag], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode == 1 and result.stderr.strip().splitlines() == [says], result.stderr[-2000:]
+
+
+def test_llama3_405b_is_planned_on_metas_16_stages_with_the_first_and_last_one_layer_short():
+  # 126 layers do not split over 16 stages; Meta's layout (tensor 8 x pipeline 16 x data 128 on 16,384 H100s)
+  # runs with 7, 8 x 14, 7 layers, and the planner now prices it.
+  from configs.llama import get_config as llama
+  config = llama("405b")
+  config.batch_size, config.model.max_len, config.precision.compute = 2048, 8192, "bfloat16"
+  cluster = hardware.cluster("h100", 16384)
+  metas = {"mesh.tensor": 8, "mesh.pipeline": 16, "mesh.data": 128}
+  (choice,) = planner.search(config, cluster, model_weights(config), calibration.achievable_fraction("h100"),
+                             top=1, fixed=metas).ranked
+  assert choice.flags["pipeline.first_stage_layers"] == choice.flags["pipeline.last_stage_layers"] == 7
+  assert choice.device_bytes <= cluster.kind.hbm_bytes

@@ -47,6 +47,19 @@ def test_unknown_logical_axis_is_named():
     ({"pipeline.schedule": "1f1b", "pipeline.microbatches": 2, "model.num_layers": 4}, {"pipeline": 4},
      "1f1b needs at least as many micro-batches as stages"),
     ({"pipeline.schedule": "zigzag"}, {"pipeline": 2}, "pipeline.schedule='zigzag' is unknown"),
+    ({"model.num_layers": 5, "pipeline.first_stage_layers": 1}, {"pipeline": 2},
+     "pipeline.first_stage_layers=1 and pipeline.last_stage_layers=0 must both be set"),
+    ({"model.num_layers": 5, "pipeline.first_stage_layers": 2, "pipeline.last_stage_layers": 2}, {"pipeline": 2},
+     "must be model.num_layers=5 with two chunks; use last_stage_layers=3"),
+    ({"model.num_layers": 9, "pipeline.first_stage_layers": 2, "pipeline.last_stage_layers": 2}, {"pipeline": 4},
+     "the 5 layers between .* do not split equally over the 2 middle chunks"),
+    ({"model.num_layers": 4, "moe.experts": 4, "moe.every": 2, "pipeline.first_stage_layers": 1,
+      "pipeline.last_stage_layers": 3}, {"pipeline": 2}, "must be multiples of moe.every=2"),
+    ({"model.num_layers": 3, "pipeline.first_stage_layers": 1, "pipeline.last_stage_layers": 2,
+      "model.embed_dim": 63, "model.num_heads": 3}, {"pipeline": 2},
+     r"model.embed_dim=63 is not divisible by the stage weights' split \(mesh.pipeline\)=2"),
+    ({"model.num_layers": 3, "pipeline.first_stage_layers": 1, "pipeline.last_stage_layers": 2,
+      "attention.context": "ring"}, {"pipeline": 2, "sequence": 2}, "attention.context=ring passes blocks"),
     ({"pipeline.microbatches": 2, "model.num_layers": 4}, {"pipeline": 4, "data": 8},
      "gpipe runs the head on 1/4 of each data-parallel shard's rows, but the shard's 2 sequences"),
 ])
@@ -55,4 +68,5 @@ def test_model_that_does_not_divide_is_refused(overrides, shape, says):
   full = {"data": 1, "pipeline": 1, "expert": 1, "sequence": 1, "tensor": 1, **shape}
   with pytest.raises(ValueError, match=says):
     check_divides(model_config(config), full, batch_size=config.batch_size,
-                  grad_accum=config.grad_accum, zero=config.sharding.zero, pipeline=config.pipeline)
+                  grad_accum=config.grad_accum, zero=config.sharding.zero, pipeline=config.pipeline,
+                  context=config.attention.context)

@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from model import mup
 from model.config import ModelConfig
 from model.families import FAMILIES
-from model.transformer import chunk_positions
-from parallel import rules, schedules
+from model.transformer import STACKED, chunk_positions
+from parallel import rules, schedules, stages
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
 from training import loss_scale
@@ -55,6 +55,7 @@ class Layout:
   schedule: str  # the pipeline schedule; "none" on a mesh without pipeline stages
   microbatches: int
   virtual_stages: int
+  stage_units: tuple[int, ...] | None  # units in each chunk (virtual stage) when unequal; None: equal chunks
   context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
   initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
 
@@ -88,10 +89,23 @@ def plan(config, devices=None) -> Layout:
   logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
   params_abstract = nnx.to_pure_dict(abstract_params)
   zero, axis = config.sharding.zero, rules.fsdp_axis(config.sharding)
+  virtual = schedules.virtual_stages(config.pipeline)
+  stage_units = stages.stage_units(
+      cfg.num_units, cfg.layers_per_unit, chunks=mesh.shape[PIPELINE] * virtual,
+      first_layers=config.pipeline.first_stage_layers, last_layers=config.pipeline.last_stage_layers
+  ) if mesh.shape[PIPELINE] > 1 else None
+
+  def placed(rule_set):
+    """Shardings by `rule_set`, the stack's split by `embed` over `pipeline` when its stages are unequal."""
+    placed = rules.shardings(logical, mesh, rule_set)
+    if stage_units is None:
+      return placed
+    return {**placed, STACKED: rules.shardings(logical[STACKED], mesh, rules.split_by_embed(rule_set))}
+
   tx = make_optimizer(config, params_abstract, logical, mesh, rules.optimizer_rules(zero, axis))
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
-  param_shardings = rules.shardings(logical, mesh, rules.weight_rules(zero, axis))
-  moment_shardings = rules.shardings(logical, mesh, rules.optimizer_rules(zero, axis))
+  param_shardings = placed(rules.weight_rules(zero, axis))
+  moment_shardings = placed(rules.optimizer_rules(zero, axis))
   replicated = NamedSharding(mesh, P())
   opt_shardings = _moment_leaves(opt_abstract, params_abstract, moment_shardings, replicated)
   state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
@@ -103,11 +117,11 @@ def plan(config, devices=None) -> Layout:
     abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
     state_shardings["loss_scale"] = {"scale": replicated, "good_steps": replicated}
   return Layout(mesh=mesh, model=cfg, graphdef=graphdef, tx=tx, state_shardings=state_shardings,
-                used_shardings=rules.shardings(logical, mesh, rules.weight_rules(0)), moment_shardings=moment_shardings,
+                used_shardings=placed(rules.weight_rules(0)), moment_shardings=moment_shardings,
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
-                virtual_stages=schedules.virtual_stages(config.pipeline),
+                virtual_stages=virtual, stage_units=stage_units,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
 
