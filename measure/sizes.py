@@ -200,6 +200,9 @@ def optimizer_of(run) -> optimizer.Optimizer:
 
 
 def optimizer_costs(run, mesh, weights) -> tuple:
-  """The arguments of the optimizer's costs (training/optimizer.py Optimizer)."""
+  """The arguments of the optimizer's costs (training/optimizer.py Optimizer): the stack's moments' rules
+  (Muon's matrices are all in the stack)."""
   run = run_of(run)
-  return run.optimizer, rules.optimizer_rules(run.sharding.zero, rules.fsdp_axis(run.sharding)), mesh, weights
+  stack = [w for w in weights if w.stacked]
+  table = rules.optimizer_rules(run.sharding.zero, rules.fsdp_axis(run.sharding))
+  return run.optimizer, stored_table(run, mesh, stack[0], table) if stack else table, mesh, weights

@@ -91,3 +91,13 @@ def test_moe_figures_are_means_over_the_layers_whatever_the_chunks_hold():
   for key, value in ref_stats.items():
     np.testing.assert_allclose(stats[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
   assert_tree_close(grads, ref_grads, "gradient")
+
+
+def test_muon_deals_the_stack_as_its_moments_lie():
+  # Muon's round robin gathers each hidden matrix's momentum from the moments' layout, which unequal stages
+  # split over pipeline x data by `embed` (ZeRO-1): the parameters after the steps are one device's.
+  muon = {"model.num_layers": 3, "pipeline.microbatches": 2, "optimizer.name": "muon"}
+  reference = run_layout({**muon, "mesh.data": 1}, jax.devices()[:1])
+  _, _, params = run_layout({**muon, "mesh.pipeline": 2, "mesh.data": 4, "sharding.zero": 1,
+                             "pipeline.first_stage_layers": 1, "pipeline.last_stage_layers": 2}, jax.devices())
+  assert_params_close(params, reference[2], f"parameter after {STEPS} steps")

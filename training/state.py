@@ -102,7 +102,10 @@ def plan(config, devices=None) -> Layout:
       return placed
     return {**placed, STACKED: rules.shardings(logical[STACKED], mesh, rules.split_by_embed(rule_set))}
 
-  tx = make_optimizer(config, params_abstract, logical, mesh, rules.optimizer_rules(zero, axis))
+  # The optimizer lays out what it gathers (Muon's hidden matrices, all in the stack) as the stack's moments lie.
+  stack_moments = rules.optimizer_rules(zero, axis)
+  tx = make_optimizer(config, params_abstract, logical, mesh,
+                      stack_moments if stage_units is None else rules.split_by_embed(stack_moments))
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
   param_shardings = placed(rules.weight_rules(zero, axis))
   moment_shardings = placed(rules.optimizer_rules(zero, axis))

@@ -94,6 +94,10 @@ def check_run(config) -> None:
   _at_least(config, "precision.loss_scale_growth", 1, ": finite steps in a row before the loss scale doubles")
   _at_least(config, "pipeline.microbatches", 1)
   _at_least(config, "pipeline.virtual_stages", 1, ": layer chunks per device under the interleaved schedule")
+  if (config.pipeline.first_stage_layers and config.mesh.pipeline > 1 and config.optimizer.name == "muon"
+      and config.optimizer.muon_iteration == "gathered"):
+    raise ValueError("optimizer.muon_iteration=gathered gathers each matrix split over pipeline by layer, which "
+                     "unequal stages (pipeline.first_stage_layers) cannot; use round_robin or partitioned.")
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
