@@ -129,3 +129,13 @@ def test_llama3_405b_is_planned_on_metas_16_stages_with_the_first_and_last_one_l
                              top=1, fixed=metas).ranked
   assert choice.flags["pipeline.first_stage_layers"] == choice.flags["pipeline.last_stage_layers"] == 7
   assert choice.device_bytes <= cluster.kind.hbm_bytes
+
+
+def test_a_fixed_value_that_is_not_a_pair_or_not_a_field_is_refused_in_one_line():
+  for fixed, says in (("mesh.pipeline", "error: --fixed='mesh.pipeline' is not a key=value pair; give e.g. "
+                                        "mesh.pipeline=16."),
+                      ("mesh.pipelin=2", "error: the config has no field 'mesh.pipelin'; configs/base.py lists every "
+                                         "field.")):
+    result = subprocess.run([sys.executable, "tools/plan.py", f"--fixed={fixed}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == says, result.stderr[-500:]

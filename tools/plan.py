@@ -2,6 +2,7 @@
 
   python tools/plan.py --config=configs/gpt2.py:1558m --kind=h100 --devices=64 --global_batch=512 --seq_len=1024
   python tools/plan.py --config=configs/llama.py:405b --kind=h100 --devices=16384 --global_batch=2048 --seq_len=8192
+  python tools/plan.py --config=configs/llama.py:405b --kind=h100 --devices=16384 --global_batch=2048 --seq_len=8192 --fixed=mesh.tensor=8,mesh.pipeline=16,mesh.data=128 --top=1
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/plan.py --kind=h100 --devices=8 --global_batch=16 --seq_len=128 --verify=2
   python tools/plan.py --check=benchmarks/h200/2026-12-04-equal.jsonl,benchmarks/h200/2026-12-04-layers.jsonl
 
@@ -12,16 +13,19 @@ measure/step_time.py what the time model assumes). `--verify=K` compiles the
 top K ahead of time on the devices jax sees (simulate them with XLA_FLAGS as
 above) and prints each one's compiled memory and bytes by tier beside the
 prediction. A model that fits nowhere gets one line naming the smallest
-cluster it would fit. `--check=RECORDS.jsonl,...` predicts instead each run that
+cluster it would fit. `--fixed=KEY=VALUE,...` keeps only the layouts with those
+config values (a published run's mesh, say). `--check=RECORDS.jsonl,...` predicts instead each run that
 tools/bench.py measured in those files, as it ran on its device kind, and prints
 its step time, memory and MFU beside the measured, with the step's error.
 """
 
+import functools
 import sys
 import time
 
 from absl import app, flags, logging
 
+from configs.load import override
 from run.config_flag import define_config_flag
 
 _CONFIG = define_config_flag("configs/gpt2.py:tiny", "Model config; --config.<field> sets fields.")
@@ -36,6 +40,7 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.1, "Share of each device's memory k
 _TOP = flags.DEFINE_integer("top", 5, "Layouts to print.")
 _VERIFY = flags.DEFINE_integer("verify", 0, "Compile the top K ahead of time and print compiled beside predicted.")
 _CHECK = flags.DEFINE_list("check", [], "tools/bench.py JSON lines files: predict each measured run beside its record.")
+_FIXED = flags.DEFINE_list("fixed", [], "Config values every layout must have, as dotted key=value pairs.")
 
 GiB = 2**30
 
@@ -53,18 +58,22 @@ def main(argv):
       raise ValueError(f"--top={_TOP.value} would print no layout; give 1 or more.")
     cluster = hardware.cluster(_KIND.value, _DEVICES.value, _FAST_GROUP.value or None, _SLOW_BANDWIDTH.value or None)
     config = planned_config(_CONFIG.value)
+    fixed = fixed_values(config, _FIXED.value)
     achievable = calibration.achievable_fraction(cluster.kind.name)
   except ValueError as error:
     sys.exit(f"error: {error}")
   started = time.time()
   weights = model_weights(config)
-  result = planner.search(config, cluster, weights, achievable, _HEADROOM.value, _TOP.value)
+  result = planner.search(config, cluster, weights, achievable, _HEADROOM.value, _TOP.value, fixed)
   print(f"{cluster.devices} {cluster.kind.description} in {cluster.groups} group(s) of {cluster.fast_group} "
         f"(fast {cluster.kind.fast_link_bandwidth / 1e9:.0f} GB/s, slow {cluster.slow_link_bandwidth / 1e9:.1f} GB/s "
         f"per device), {cluster.kind.hbm_bytes / 1e9:.0f} GB each with {_HEADROOM.value:.0%} kept free; "
         f"batch {config.batch_size} x {config.model.max_len} tokens; achievable fraction of peak "
         f"{achievable:.3f} ({calibration.REFERENCES[cluster.kind.name].label}).")
   print(f"{result.meshes} mesh shapes, {result.scored} layouts scored in {time.time() - started:.1f} s.")
+  if not result.ranked and fixed:
+    sys.exit(f"error: no layout with {', '.join(f'{k}={v}' for k, v in fixed.items())} fits {cluster.devices} "
+             f"{cluster.kind.name} devices of {cluster.kind.hbm_bytes / 1e9:.0f} GB; drop or change --fixed.")
   if not result.ranked:
     smallest = planner.smallest_fitting_cluster(config, cluster, weights, _HEADROOM.value)
     sys.exit(f"error: {planner.fits_nowhere_sentence(config, cluster, smallest)}")
@@ -87,6 +96,19 @@ def check(paths: list[str]) -> str:
     return planning_tables.check_table(planning_tables.check_records(paths))
   except ValueError as error:
     sys.exit(f"error: {error}")
+
+
+def fixed_values(config, pairs: list[str]) -> dict:
+  """{dotted key: value} of `--fixed`, each value parsed as the config's field is typed."""
+  fixed = {}
+  for pair in pairs:
+    key, equals, text = pair.partition("=")
+    if not equals:
+      raise ValueError(f"--fixed={pair!r} is not a key=value pair; give e.g. mesh.pipeline=16.")
+    probe = config.copy_and_resolve_references()
+    override(probe, key, text)
+    fixed[key] = functools.reduce(getattr, key.split("."), probe)
+  return fixed
 
 
 def planned_config(config):
