@@ -172,6 +172,10 @@ def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
   if cfg.family in UNMAPPED:
     raise ValueError(f"meshlm's {cfg.family} has no Hugging Face architecture: {UNMAPPED[cfg.family]}.")
+  if cfg.attention_softcap or cfg.logit_softcap:
+    raise ValueError(f"model.attention_softcap={cfg.attention_softcap} and model.logit_softcap={cfg.logit_softcap}: "
+                     "no Hugging Face architecture meshlm maps soft-caps its scores or logits; export a model "
+                     "trained with both 0.")
   holding = [m for m in MAPPINGS.values() if m.holds(cfg)]
   found = next((m for m in holding if m.family == cfg.family), None)
   if found is None:  # the architectures that hold these settings, or where none does, every one

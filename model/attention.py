@@ -10,7 +10,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, param, zeros
+from model.layers import INIT_STD, matmul, param, soft_capped, zeros
 from model.placement import constrain, current
 
 
@@ -31,14 +31,15 @@ def kernel(cfg: ModelConfig, backend: str) -> str:
   if cfg.attention != "auto":
     return cfg.attention
   head = cfg.head_dim
-  if backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD:
+  if (backend == "gpu" and cfg.compute_dtype in CUDNN_DTYPES and head % 8 == 0 and head <= CUDNN_MAX_HEAD
+      and not cfg.attention_softcap):  # JAX's cuDNN attention takes no soft-cap
     return "cudnn"
   if backend == "tpu" and cfg.max_len % SPLASH_BLOCK == 0:
     return "splash"
   return "xla"
 
 
-def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 0) -> jax.Array:
+def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 0, softcap: float = 0.0) -> jax.Array:
   """Causal attention by the splash kernel (Pallas), for queries and keys that are one contiguous run.
 
   A Mosaic kernel is not partitioned automatically: the placement runs this
@@ -46,7 +47,7 @@ def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 
   runs in Pallas' interpreter, which is how the CPU tests check its numbers.
   With `segments_BT` (packed documents) the kernel's own segment ids keep each
   query within its document. With a `window` W > 0, its local mask keeps the
-  W - 1 keys before each query and the query's own.
+  W - 1 keys before each query and the query's own; a `softcap` C > 0 is the kernel's own logit soft-cap.
   """
   t, heads, head_dim = q_BTNH.shape[1:]
   block = max((b for b in range(SPLASH_BLOCK, 4 * SPLASH_BLOCK + 1, SPLASH_BLOCK) if t % b == 0), default=t)
@@ -55,7 +56,7 @@ def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 
   one = splash_mask.LocalMask((t, t), (window - 1, 0), offset=0) if window else splash_mask.CausalMask((t, t))
   mask = splash_mask.MultiHeadMask([one for _ in range(heads)])
   mha = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                               interpret=jax.default_backend() != "tpu")
+                               attn_logits_soft_cap=softcap or None, interpret=jax.default_backend() != "tpu")
   group = heads // k_BTKH.shape[2]  # grouped-query: each key/value head serves `group` query heads
   heads_first = lambda x_BTXH: jnp.swapaxes(x_BTXH, 1, 2)
   q_BNTH = heads_first(q_BTNH * head_dim ** -0.5)
@@ -75,14 +76,15 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
   sees only keys of its own segment. With `cache` (decoding, model/kv_cache.py
   LayerCache) the new keys and values are written into the layer's cache and
   the queries attend over all of it. With `cfg.sliding_window` = W > 0 a query
-  sees only the W latest positions up to its own (Mistral's sliding window).
+  sees only the W latest positions up to its own (Mistral's sliding window). With
+  `cfg.attention_softcap` = C > 0 each scaled score s enters the softmax as C tanh(s / C).
   """
-  placement, window = current(), cfg.sliding_window
+  placement, window, softcap = current(), cfg.sliding_window, cfg.attention_softcap
   if cache is not None:
-    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, window)
+    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, window, softcap)
   elif placement.attention is not None:
     out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block,
-                                   window=window)
+                                   window=window, softcap=softcap)
   elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":  # parallel/checks.py keeps packing off it
     # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run; so is its
     # window, (W - 1) keys before each query and none after.
@@ -90,24 +92,25 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
                                             local_window_size=(window - 1, 0) if window else None)
   elif chosen == "splash":  # causal by index too
     segments = () if segments_BT is None else (segments_BT,)
-    out_BTNH = placement.per_device(functools.partial(splash_attention, window=window), q_BTNH, k_BSKH, v_BSKH,
-                                    *segments)
+    out_BTNH = placement.per_device(functools.partial(splash_attention, window=window, softcap=softcap), q_BTNH,
+                                    k_BSKH, v_BSKH, *segments)
   else:
     segments = None if segments_BT is None else (segments_BT, segments_BT)
     out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
-                                      segments, window)
+                                      segments, window, softcap)
   return checkpoint_name(out_BTNH, ATTENTION_OUT)
 
 
 def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int, segments=None,
-                        window: int = 0):
+                        window: int = 0, softcap: float = 0.0):
   """Attention in query and key blocks of at most `block` positions: (out, log-sum-exp of each row's scores).
 
   `segments`, if given, is (query segments [B, T], key segments [B, S]): a
   query sees a key only of its own segment. `window` W > 0: a query sees only
   keys fewer than W positions before its own, and a key block wholly outside
   every query's window (or wholly after it) is skipped by a branch, not scored
-  under a mask.
+  under a mask. `softcap` C > 0 bounds each scaled score s to C tanh(s / C) before the softmax (Gemma 2's
+  soft-capping; forward and backward).
 
   A sequence no longer than `block` is one block (attention_block, differentiated
   by autodiff). A longer one runs flash attention's algorithm in plain JAX: an
@@ -119,12 +122,12 @@ def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, bl
   t, s = q_BTNH.shape[1], k_BSKH.shape[1]
   blocks = (largest_divisor(t, block), largest_divisor(s, block))
   if blocks == (t, s):
-    scored = lambda: attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, window)
+    scored = lambda: attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, window, softcap)
     if not window:
       return scored()
     return jax.lax.cond(_in_window(q_positions_T, k_positions_S, window), scored,
                         lambda: _nothing_seen(q_BTNH, k_BSKH.shape[2], v_BSKH.dtype))
-  return _flash(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
+  return _flash(blocks, window, softcap, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)
 
 
 def largest_divisor(length: int, most: int) -> int:
@@ -165,12 +168,12 @@ def _in_window(q_positions_T, k_positions_S, window: int):
   return (k_positions_S.min() <= q_positions_T.max()) & (q_positions_T.min() - k_positions_S.max() < window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
-  return _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(blocks, window, softcap, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
+  return _flash_forward(blocks, window, softcap, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments)[0]
 
 
-def _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
+def _flash_forward(blocks, window, softcap, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments):
   q_block, k_block = blocks
   q_segments, k_segments = _split_segments(segments, blocks)
   key_blocks = (_split(k_BSKH, k_block), _split(v_BSKH, k_block), k_positions_S.reshape(-1, k_block), k_segments)
@@ -178,7 +181,7 @@ def _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_posi
   def one_query_block(query):
     q_bTNH, q_positions_bT, q_segments_Bb = query
     score = lambda key: attention_block(q_bTNH, key[0], key[1], q_positions_bT, key[2],
-                                        _segment_pair(q_segments_Bb, key[3]), window)
+                                        _segment_pair(q_segments_Bb, key[3]), window, softcap)
 
     def visit(merged, key):
       if not window:
@@ -201,31 +204,32 @@ def _flash_forward(blocks, window, q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_posi
   return (out_BTNH, lse_BKGT), (q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT)
 
 
-def _flash_backward(blocks, window, saved, cotangents):
+def _flash_backward(blocks, window, softcap, saved, cotangents):
   q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments, out_BTNH, lse_BKGT = saved
   d_q_BTNH, d_k_BSKH, d_v_BSKH = _block_gradients(
       blocks, (q_BTNH, q_positions_T, out_BTNH, lse_BKGT, *cotangents), (k_BSKH, v_BSKH, k_positions_S), segments,
-      window)
+      window, softcap)
   return (d_q_BTNH.astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype), d_v_BSKH.astype(v_BSKH.dtype), None, None,
           None)
 
 
-def flash_gradients(block: int, rows, keys, segments=None, window: int = 0):
+def flash_gradients(block: int, rows, keys, segments=None, window: int = 0, softcap: float = 0.0):
   """Float32 (dQ, dK, dV) of queries against some of the keys they attend to, in blocks of at most `block`.
 
   `rows` = (q, q positions, out, log-sum-exp, dOut, dLse): the queries, their whole attention's
   output and log-sum-exp (over every key, not only these) and those outputs' cotangents;
-  `keys` = (k, v, k positions); `segments` and `window` as blockwise_attention's. Ring attention sums
+  `keys` = (k, v, k positions); `segments`, `window` and `softcap` as blockwise_attention's. Ring attention sums
   these over the blocks of keys it visits.
   """
   blocks = (largest_divisor(rows[0].shape[1], block), largest_divisor(keys[0].shape[1], block))
-  return _block_gradients(blocks, rows, keys, segments, window)
+  return _block_gradients(blocks, rows, keys, segments, window, softcap)
 
 
-def _block_gradients(blocks, rows, keys, segments=None, window: int = 0):
+def _block_gradients(blocks, rows, keys, segments=None, window: int = 0, softcap: float = 0.0):
   """Flash attention's backward: per block, p = exp(s - lse), then dV, dP, dS = p (dP - D) and dQ, dK.
 
-  D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p.
+  D = rowsum(dOut * out) - dLse: the log-sum-exp's own cotangent enters every score as dLse * p. A
+  soft-capped score s = C tanh(r / C) passes dS on to its raw score r times 1 - (s / C)^2.
   """
   q_BTNH, q_positions_T, out_BTNH, lse_BKGT, d_out_BTNH, d_lse_BKGT = rows
   k_BSKH, v_BSKH, k_positions_S = keys
@@ -252,13 +256,16 @@ def _block_gradients(blocks, rows, keys, segments=None, window: int = 0):
 
     def score(d_q_bTKGH, key):
       k_bSKH, v_bSKH, k_positions_bS, k_segments_BS = key
-      logits_BKGbS = f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale
+      logits_BKGbS = soft_capped(f32("btkgh,bskh->bkgts", q_bTKGH, k_bSKH) * scale, softcap)
       visible_bS = _visible(logits_BKGbS, q_positions_bT, k_positions_bS, _segment_pair(q_segments_Bb, k_segments_BS),
                             window)
       probs_BKGbS = jnp.where(visible_bS, jnp.exp(logits_BKGbS - stats_2BKGb[0][..., None]), 0.0)
       d_v_bSKH = f32("bkgts,btkgh->bskh", probs_BKGbS.astype(v_bSKH.dtype), d_out_bTKGH)
       d_probs_BKGbS = f32("btkgh,bskh->bkgts", d_out_bTKGH, v_bSKH)
-      d_logits_BKGbS = (probs_BKGbS * (d_probs_BKGbS - stats_2BKGb[1][..., None]) * scale).astype(q_bTNH.dtype)
+      d_logits_BKGbS = probs_BKGbS * (d_probs_BKGbS - stats_2BKGb[1][..., None]) * scale
+      if softcap:
+        d_logits_BKGbS = d_logits_BKGbS * (1 - jnp.square(logits_BKGbS / softcap))
+      d_logits_BKGbS = d_logits_BKGbS.astype(q_bTNH.dtype)
       d_q_bTKGH = d_q_bTKGH + f32("bkgts,bskh->btkgh", d_logits_BKGbS, k_bSKH)
       d_k_bSKH = f32("bkgts,btkgh->bskh", d_logits_BKGbS, q_bTKGH)
       return d_q_bTKGH, (d_k_bSKH, d_v_bSKH)
@@ -314,7 +321,8 @@ def _visible(logits_BKGTS, q_positions_T, k_positions_S, segments=None, window: 
   return (causal_TS & same_BTS)[:, None, None]
 
 
-def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments=None, window: int = 0):
+def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segments=None, window: int = 0,
+                    softcap: float = 0.0):
   """Normalised attention of one query block over one key block: (out, log-sum-exp of each row's scores).
 
   The log-sum-exp lets blocks over other keys merge in (merge_blocks). A row
@@ -325,7 +333,7 @@ def attention_block(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, segmen
   kv_heads = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
   logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-  logits_BKGTS = logits_BKGTS * (h ** -0.5)
+  logits_BKGTS = soft_capped(logits_BKGTS * (h ** -0.5), softcap)
   visible_TS = _visible(logits_BKGTS, q_positions_T, k_positions_S, segments, window)
   logits_BKGTS = jnp.where(visible_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   max_BKGT = logits_BKGTS.max(-1)

@@ -29,6 +29,8 @@ class ModelConfig:
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
+  attention_softcap: float = 0.0  # C > 0: each attention score s enters the softmax as C tanh(s / C) (Gemma 2: 50)
+  logit_softcap: float = 0.0  # C > 0: each output logit z as C tanh(z / C) (Gemma 2: 30); 0: off
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
   # plan() sets it under hybrid sharding: look tokens up in the table with its `embed` axis gathered
@@ -145,6 +147,13 @@ class ModelConfig:
     if self.sliding_window < 0:
       raise ValueError(f"model.sliding_window={self.sliding_window} must be a number of positions, or 0 for "
                        "attention over the whole causal context.")
+    for field in ("attention_softcap", "logit_softcap"):
+      if not (math.isfinite(getattr(self, field)) and getattr(self, field) >= 0):
+        raise ValueError(f"model.{field}={getattr(self, field)} must be a finite cap > 0 (Gemma 2 caps attention "
+                         "scores at 50 and logits at 30), or 0 for none.")
+    if self.attention_softcap and self.attention == "cudnn":
+      raise ValueError(f"model.attention=cudnn cannot soft-cap attention scores (model.attention_softcap="
+                       f"{self.attention_softcap}): JAX's cuDNN attention takes no cap; use model.attention=auto or xla.")
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):

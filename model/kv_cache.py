@@ -50,20 +50,20 @@ class LayerCache:
   def __init__(self, k_BSKH, v_BSKH):
     self.k_BSKH, self.v_BSKH = k_BSKH, v_BSKH
 
-  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0):
+  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0, softcap: float = 0.0):
     """Write the new keys and values at their contiguous `positions_T`, then attend over the whole cache (within
-    a sliding `window` W > 0, over the rolling buffer and the new tokens)."""
+    a sliding `window` W > 0, over the rolling buffer and the new tokens; scores soft-capped at `softcap`)."""
     slots = self.k_BSKH.shape[1]
     if window and slots == window:
-      return self._attend_rolling(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block, window)
+      return self._attend_rolling(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block, window, softcap)
     write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
         cache, new.astype(cache.dtype), positions_T[0], axis=1), CACHE_AXES)
     self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
     out_BTNH, _ = blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T, jnp.arange(slots), block,
-                                      window=window)
+                                      window=window, softcap=softcap)
     return out_BTNH
 
-  def _attend_rolling(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int):
+  def _attend_rolling(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int, softcap: float):
     start = positions_T[0]
     # Slot s holds the latest position before `start` that is s mod W; one never written (negative) is moved
     # past every query, where the causal mask hides it.
@@ -72,7 +72,8 @@ class LayerCache:
     held_S = jnp.where(held_S < 0, jnp.iinfo(jnp.int32).max, held_S)
     both = lambda cache, new: jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
     out_BTNH, _ = blockwise_attention(q_BTNH, both(self.k_BSKH, new_k_BTKH), both(self.v_BSKH, new_v_BTKH),
-                                      positions_T, jnp.concatenate([held_S, positions_T]), block, window=window)
+                                      positions_T, jnp.concatenate([held_S, positions_T]), block, window=window,
+                                      softcap=softcap)
     last = min(window, positions_T.shape[0])  # the new tokens a later query can still see
     write = lambda cache, new: constrain(cache.at[:, jnp.mod(positions_T[-last:], window)].set(
         new[:, -last:].astype(cache.dtype)), CACHE_AXES)

@@ -128,6 +128,12 @@ def _centred(x, mean):
 _norm.defvjp(_norm_forward, _norm_backward)
 
 
+def soft_capped(x: jax.Array, cap: float) -> jax.Array:
+  """cap x tanh(x / cap) in float32: bounded by +-cap, near x well below it (Gemma 2's soft-capping of
+  attention scores and logits); x unchanged where `cap` is 0."""
+  return cap * jnp.tanh(x.astype(jnp.float32) / cap) if cap else x
+
+
 def matmul(spec: str, x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> jax.Array:
   """einsum in the compute dtype accumulating in float32; with `fp8`, on fp8 operands (model/fp8.py)."""
   if fp8:

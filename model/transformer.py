@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
+from model.layers import soft_capped
 from model.moe import AUX_LOSS, MoE, summarize
 from model.placement import constrain, current, placed, shard_count
 
@@ -167,7 +168,8 @@ def masked_vocab(logits_BTV, cfg: ModelConfig):
   The loss reads the head's output as the matmul left it instead (`LanguageModel.head_output`).
   """
   real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
-  return jnp.where(real_V, logits_BTV.astype(jnp.float32) * cfg.output_multiplier, jnp.finfo(jnp.float32).min)
+  scored_BTV = soft_capped(logits_BTV.astype(jnp.float32) * cfg.output_multiplier, cfg.logit_softcap)
+  return jnp.where(real_V, scored_BTV, jnp.finfo(jnp.float32).min)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -285,8 +287,10 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
-    logits_BtV = nnx.merge(graphdef, stack, head).head_output(x_BtD)
-    losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, model.cfg.output_multiplier)
+    logits_BtV, multiplier = nnx.merge(graphdef, stack, head).head_output(x_BtD), model.cfg.output_multiplier
+    if model.cfg.logit_softcap:  # capped as the softmax sees them (after muP's multiplier), in float32
+      logits_BtV, multiplier = soft_capped(logits_BtV.astype(jnp.float32) * multiplier, model.cfg.logit_softcap), 1.0
+    losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier)
     return (losses_Bt * weights_Bt[0] if weights_Bt else losses_Bt).sum()
 
   # The stack, targets and weights are arguments, not closed over: a custom VJP may not close over traced

@@ -104,11 +104,11 @@ def _attend(body, mesh, axes: tuple, rows: P, positions: P):
   before every collective over `sequence` (tensor x the bytes, and an all-gather of their own)."""
   heads = P(*rows, TENSOR)
 
-  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
+  def attend(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0, softcap=0.0):
     inputs = (q_BTNH, k_BTKH, v_BTKH, positions_T) + (() if segments_BT is None else (segments_BT,))
     in_specs = (heads, heads, heads, positions, rows)[:len(inputs)]
-    return jax.shard_map(functools.partial(body, block=block, window=window), mesh=mesh, in_specs=in_specs, out_specs=heads,
-                         axis_names={*axes, TENSOR})(*inputs)
+    return jax.shard_map(functools.partial(body, block=block, window=window, softcap=softcap), mesh=mesh,
+                         in_specs=in_specs, out_specs=heads, axis_names={*axes, TENSOR})(*inputs)
 
   return attend
 
@@ -150,15 +150,15 @@ def _pair(q_segments_BT, k_segments_BS):
   return None if q_segments_BT is None else (q_segments_BT, k_segments_BS)
 
 
-def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
+def _allgather(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0, softcap=0.0):
   segments = None if segments_BT is None else (segments_BT, _gather(segments_BT, 1))
   out_BTNH, _ = blockwise_attention(q_BTNH, _gather(k_BTKH, 1), _gather(v_BTKH, 1), positions_T,
-                                    _gather(positions_T, 0), block, segments, window)
+                                    _gather(positions_T, 0), block, segments, window, softcap)
   return out_BTNH
 
 
-def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
-  out_BTNH, _ = _ring_attention((block, window), q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)
+def _ring(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0, softcap=0.0):
+  out_BTNH, _ = _ring_attention((block, window, softcap), q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT)
   return out_BTNH
 
 
@@ -172,12 +172,12 @@ def _ring_forward(kernel, q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT):
 
   Saves only this device's Q, K, V, output and log-sum-exp, as flash attention does: the
   backward pass sends the blocks round again rather than keep S - 1 visitors' worth. A visiting
-  block carries its keys' segment ids (None without packing). `kernel` is (block, window) as
+  block carries its keys' segment ids (None without packing). `kernel` is (block, window, softcap) as
   blockwise_attention takes them.
   """
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
   first = blockwise_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, positions_T, kernel[0],
-                              _pair(segments_BT, segments_BT), kernel[1])
+                              _pair(segments_BT, segments_BT), *kernel[1:])
 
   def hop(carry, hop):  # a scan, not a Python loop, so one visitor's buffers live at a time
     merged, kv_block = carry
@@ -199,7 +199,7 @@ def _ring_backward(kernel, saved, cotangents):
   shards, me = jax.lax.axis_size(SEQUENCE), jax.lax.axis_index(SEQUENCE)
   rows = (q_BTNH, positions_T, out_BTNH, lse_BKGT, *cotangents)
   d_q_BTNH, d_k_BTKH, d_v_BTKH = flash_gradients(kernel[0], rows, (k_BTKH, v_BTKH, positions_T),
-                                                 _pair(segments_BT, segments_BT), kernel[1])
+                                                 _pair(segments_BT, segments_BT), *kernel[1:])
 
   def hop(carry, hop):
     d_q_BTNH, (keys, k_segments_BT, d_k_BTKH, d_v_BTKH) = carry
@@ -232,13 +232,14 @@ def _visit(q_BTNH, k_BTKH, v_BTKH, k_positions_T, k_segments_BT, q_positions_T, 
   """
   half, _, take = _halves(q_BTNH, from_later)
   packed = q_segments_BT is not None
-  block, window = kernel
+  block, window, softcap = kernel
   always = blockwise_attention(q_BTNH[:, half:], k_BTKH[:, :half], v_BTKH[:, :half], q_positions_T[half:],
                                k_positions_T[:half], block,
-                               _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window)
+                               _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window,
+                               softcap)
   picked = blockwise_attention(take(q_BTNH), take(k_BTKH), take(v_BTKH), take(q_positions_T, 0),
                                take(k_positions_T, 0), block,
-                               _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window)
+                               _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window, softcap)
   # A row that sees nothing: out 0 and the lowest log-sum-exp, so it weighs nothing in a merge.
   unseen = (picked[0] * 0, picked[1] * 0 + jnp.finfo(jnp.float32).min)
   pick = lambda use: jax.tree.map(lambda a, b: jnp.where(use, a, b), picked, unseen)
@@ -256,13 +257,14 @@ def _visit_gradients(rows, kv_block, q_segments_BT, k_segments_BT, kernel, from_
   row_axes, kv_axes = (1, 0, 1, -1, 1, -1), (1, 1, 0)
   part = lambda xs, axes, begin: [jax.lax.slice_in_dim(x, begin, begin + half, axis=a % x.ndim)
                                   for x, a in zip(xs, axes)]
-  packed, (block, window) = q_segments_BT is not None, kernel
+  packed, (block, window, softcap) = q_segments_BT is not None, kernel
   # Local half 2 against the visitor's half 1, always; the picked pair by the same dynamic slice as forward.
   always = flash_gradients(block, part(rows, row_axes, half), part(kv_block, kv_axes, 0),
-                           _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window)
+                           _pair(q_segments_BT[:, half:], k_segments_BT[:, :half]) if packed else None, window,
+                           softcap)
   picked = flash_gradients(block, [take(x, a) for x, a in zip(rows, row_axes)],
                            [take(x, a) for x, a in zip(kv_block, kv_axes)],
-                           _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window)
+                           _pair(take(q_segments_BT), take(k_segments_BT)) if packed else None, window, softcap)
   add_picked = lambda whole, add: jax.lax.dynamic_update_slice_in_dim(
       whole, jax.lax.dynamic_slice_in_dim(whole, start, half, 1) + add, start, 1)
   zeros = lambda x: x.astype(jnp.float32) * 0  # from the inputs, so it keeps their varying axes
@@ -279,13 +281,14 @@ def _halves(q_BTNH, from_later):
   return half, start, lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, half, axis % x.ndim)
 
 
-def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0):
+def _ulysses(q_BTNH, k_BTKH, v_BTKH, positions_T, segments_BT=None, *, block, window=0, softcap=0.0):
   to_heads = lambda x: jax.lax.all_to_all(x, SEQUENCE, split_axis=2, concat_axis=1, tiled=True)
   positions_all = _gather(positions_T, 0)
   # Every head of a row shares the row's segments: gathered whole, as the positions are.
   segments_all = None if segments_BT is None else _gather(segments_BT, 1)
   out_BTnH, _ = blockwise_attention(to_heads(q_BTNH), to_heads(k_BTKH), to_heads(v_BTKH),
-                                    positions_all, positions_all, block, _pair(segments_all, segments_all), window)
+                                    positions_all, positions_all, block, _pair(segments_all, segments_all), window,
+                                    softcap)
   return jax.lax.all_to_all(out_BTnH, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
 
 

@@ -53,10 +53,12 @@ def test_a_plan_makes_auto_attention_concrete(overrides, shape, platform, expect
 
 
 # One device, a sharded mesh with packed documents (the unpacked sharded case added nothing either lacks), and
-# a sliding window of 40 of the 128 positions (splash's local mask).
+# a sliding window of 40 of the 128 positions (splash's local mask) with scores soft-capped (the kernel's own cap;
+# 0.02 bites at initialisation, tests/test_softcap.py).
 @pytest.mark.parametrize("mesh, packed", [({"mesh.data": 1}, {}),
                                           ({"mesh.data": 4, "mesh.tensor": 2}, {"model.document_end": 10}),
-                                          ({"mesh.data": 1}, {"model.sliding_window": 40})])
+                                          ({"mesh.data": 1}, {"model.sliding_window": 40,
+                                                              "model.attention_softcap": 0.02})])
 def test_splash_attention_equals_the_xla_kernel(mesh, packed):
   # Off a TPU the splash kernel runs in Pallas' interpreter, per device through parallel/context.py per_device.
   # Packed documents (the built-in corpus's lines, ended by a newline) go in as the kernel's segment ids.

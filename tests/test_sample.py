@@ -21,6 +21,11 @@ PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
 FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             # 19 tokens through a window of 4: a rolling cache of 4 slots, the 7-token prompt overflowing it.
             "llama window": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4},
+            # Scores soft-capped tight enough to bite at initialisation, through the rolling cache (the logits'
+            # cap is loose: one tight enough to bite ties the top logits, and greedy and top-1 pick apart).
+            "llama window, soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4,
+                                          "model.attention_softcap": 0.02, "model.logit_softcap": 1.0},
+            "llama soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.attention_softcap": 0.02},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},
