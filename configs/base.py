@@ -93,6 +93,8 @@ def base() -> ml_collections.ConfigDict:
   c.model.sliding_window = 0  # W > 0: each query sees the W latest positions up to its own (Mistral); 0: all
   c.model.attention_softcap = 0.0  # C > 0: attention scores s soft-capped to C tanh(s / C) (Gemma 2: 50.0); 0: off
   c.model.logit_softcap = 0.0  # C > 0: output logits z soft-capped to C tanh(z / C) (Gemma 2: 30.0); 0: off
+  c.model.global_every = 0  # k > 0: every k-th layer global, the rest within sliding_window (Gemma 2: 2); 0: all alike
+  c.model.attention_scale_width = 0  # scores scaled by 1/sqrt(this) (Gemma 2's query_pre_attn_scalar); 0: head width
   c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: logits exist chunk by chunk
   c.model.mlp_chunk = 0  # tokens per device in one chunk of the MLP, recomputed in backward (long contexts); 0: off
   c.model.document_end = -1  # token that ends a packed document, attention stops there; data.segments sets it

@@ -188,13 +188,13 @@ def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
   shapes = {}
   for path, tensor in hf_mapping.tensors(cfg, tied).items():
     for index in _indices(cfg, tensor, stacked=path[0] == STACKED):
-      shapes[tensor.name.format(**index)] = tensor.hf_shape
+      shapes[tensor.hf_name(**index)] = tensor.hf_shape
   return shapes
 
 
 def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, *, stacked: bool) -> list[dict]:
   """The {layer, expert} of each Hugging Face tensor one meshlm weight is made of, in its leading axes' order."""
-  layers = range(cfg.num_layers) if stacked else [None]
+  layers = range(cfg.num_units) if stacked else [None]
   experts = range(cfg.num_experts) if tensor.per_expert else [None]
   return [{"layer": layer, "expert": expert} for layer in layers for expert in experts]
 
@@ -210,7 +210,7 @@ def _leaf_block(read, tensor: hf_mapping.Tensor, ranges: tuple, *, stacked: bool
 
   def block(index: dict, ranges: tuple) -> np.ndarray:
     if len(index) == len(leading):
-      return _layer_block(read, tensor.name.format(**index), tensor, ranges, vocab)
+      return _layer_block(read, tensor.hf_name(**index), tensor, ranges, vocab)
     return np.stack([block({**index, leading[len(index)]: i}, ranges[1:]) for i in range(*ranges[0])])
 
   return block({}, ranges)
@@ -290,7 +290,7 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
       array = leaf
       for i in (i for i in index.values() if i is not None):
         array = array[i]
-      hf.setdefault(tensor.name.format(**index),
+      hf.setdefault(tensor.hf_name(**index),
                     _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
   needed = sum(array.nbytes for array in hf.values()) + sum(path.stat().st_size for path in beside)
   made = [p for p in target.parents if not p.exists()]  # folders made for the export, innermost first

@@ -51,17 +51,25 @@ class Tensor:
   """One meshlm weight as a Hugging Face tensor: reshape each HF axis into `split`, then transpose by `perm`.
 
   For a stacked block weight `name` holds `{layer}` and this is one layer's slice (and one expert's, for
-  `per_expert`).
+  `per_expert`). In a unit of several blocks (model/transformer.py Unit) the stack's index is the unit's, and
+  this block's Hugging Face layer is unit x unit_layers + unit_layer.
   """
   name: str
   split: tuple  # per HF axis, the sizes it splits into (an unsplit axis is a 1-tuple)
   perm: tuple  # meshlm axis i is axis perm[i] of the split view
   padded_axis: int | None = None  # the meshlm axis padded from vocab_size to padded_vocab
   per_expert: bool = False  # meshlm's first axis (after a stacked weight's layer) is the expert: `name` holds {expert}
+  unit_layers: int = 1  # blocks per scanned unit
+  unit_layer: int = 0  # this block's place in its unit
 
   @property
   def hf_shape(self) -> tuple:
     return tuple(math.prod(sizes) for sizes in self.split)
+
+  def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+    """The Hugging Face tensor of unit `layer` (stacked weights) and `expert` (an expert's matrices)."""
+    hf_layer = None if layer is None else layer * self.unit_layers + self.unit_layer
+    return self.name.format(layer=hf_layer, expert=expert)
 
 
 def _same(name: str, *shape) -> Tensor:
@@ -126,8 +134,30 @@ def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None, sh
         ("blocks", "mlp", "shared", "down_kernel"): Tensor(down, ((d,), (fs,)), (1, 0)),
         ("blocks", "mlp", "shared_gate_kernel"): Tensor(shared_gate, ((1,), (d,)), (1, 0)),
     })
-  # Every layer a mixture of experts: model/transformer.py's MoeUnit holds its one block as layers[0].
-  return {("blocks", "layers", 0, *path[1:]) if path[0] == "blocks" else path: tensor for path, tensor in table.items()}
+  return in_units(cfg, table)
+
+
+def in_units(cfg: ModelConfig, table: dict) -> dict:
+  """`table` with each block weight at its place in the scanned unit (model/transformer.py Unit) where the
+  blocks are grouped: every layer of a mixture of experts (a unit of one), or Gemma 2's local and global pairs."""
+  if not (cfg.num_experts or cfg.layers_per_unit > 1):
+    return table
+  k = cfg.layers_per_unit
+  return {**{path: tensor for path, tensor in table.items() if path[0] != "blocks"},
+          **{("blocks", "layers", j, *path[1:]): dataclasses.replace(tensor, unit_layers=k, unit_layer=j)
+             for path, tensor in table.items() if path[0] == "blocks" for j in range(k)}}
+
+
+def gemma2_tensors(cfg: ModelConfig, tied: bool) -> dict:
+  """Llama's tensors with Gemma 2's four norms a layer (model/gemma.py), in its local and global pairs."""
+  layer = "model.layers.{layer}."
+  table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items()
+           if path not in (("blocks", "norm_attn", "scale"), ("blocks", "norm_mlp", "scale"))}
+  norms = {"norm_attn": "input_layernorm", "post_norm_attn": "post_attention_layernorm",
+           "norm_mlp": "pre_feedforward_layernorm", "post_norm_mlp": "post_feedforward_layernorm"}
+  table.update({("blocks", ours, "scale"): _same(f"{layer}{theirs}.weight", cfg.embed_dim)
+                for ours, theirs in norms.items()})
+  return in_units(cfg, table)
 
 
 def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
@@ -172,10 +202,12 @@ def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   """The Hugging Face architecture of `cfg`'s family, with or without experts; refuses one transformers lacks."""
   if cfg.family in UNMAPPED:
     raise ValueError(f"meshlm's {cfg.family} has no Hugging Face architecture: {UNMAPPED[cfg.family]}.")
-  if cfg.attention_softcap or cfg.logit_softcap:
-    raise ValueError(f"model.attention_softcap={cfg.attention_softcap} and model.logit_softcap={cfg.logit_softcap}: "
-                     "no Hugging Face architecture meshlm maps soft-caps its scores or logits; export a model "
-                     "trained with both 0.")
+  gemma_like = {"model.attention_softcap": cfg.attention_softcap, "model.logit_softcap": cfg.logit_softcap,
+                "model.global_every": cfg.global_every, "model.attention_scale_width": cfg.attention_scale_width}
+  if any(gemma_like.values()) and not any(m.capped for m in MAPPINGS.values() if m.family == cfg.family):
+    set_here = ", ".join(f"{name}={value}" for name, value in gemma_like.items() if value)
+    raise ValueError(f"{set_here}: meshlm's {cfg.family} exports to an architecture that computes none of these; "
+                     "export a gemma2 model, or one trained without them.")
   holding = [m for m in MAPPINGS.values() if m.holds(cfg)]
   found = next((m for m in holding if m.family == cfg.family), None)
   if found is None:  # the architectures that hold these settings, or where none does, every one
@@ -224,6 +256,9 @@ _LLAMA_REFUSED = (
     ("mlp_bias", False, "no MLP biases"),
 )
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
+_GEMMA2_REFUSED = (("hidden_activation", "gelu_pytorch_tanh", "GeGLU with tanh-GELU"), _LLAMA_REFUSED[1])
+# Gemma 2's layer kinds (config.json's layer_types): local ones in its sliding window, then a global one.
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
 _QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
 _QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
 _OLMOE_REFUSED = (*_LLAMA_REFUSED[:2], ("clip_qkv", None, "queries, keys and values unclipped"))
@@ -310,6 +345,24 @@ def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: b
           "moe.shared_width": hf.get("shared_expert_intermediate_size") or 0}
 
 
+def _gemma2_fields(hf: dict, where: str) -> dict:
+  """config.model for Gemma 2: the rotary fields, its scale and caps, and its layers' windows, which must repeat
+  k - 1 local layers then a global one (config.json's layer_types; without it, Gemma 2's alternation)."""
+  layers = hf["num_hidden_layers"]
+  kinds = hf.get("layer_types") or [LOCAL, GLOBAL] * (layers // 2) + [LOCAL] * (layers % 2)
+  every = next((k for k in range(1, layers + 1) if layers % k == 0
+                and kinds == ([LOCAL] * (k - 1) + [GLOBAL]) * (layers // k)), 0)
+  if not every and set(kinds) != {LOCAL}:
+    raise ValueError(f"{where} sets layer_types {kinds}; meshlm computes groups of local layers each ended by a "
+                     "global one (model.global_every), or every layer local.")
+  window = hf.get("sliding_window") or 0
+  return {**_llama_fields(hf, where, "gemma2"), "sliding_window": 0 if every == 1 else window,
+          "global_every": every if every > 1 else 0,
+          "attention_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
+          "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+          "attention_scale_width": int(hf["query_pre_attn_scalar"])}
+
+
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
   """A config.json that transformers builds the same model from, with `dtype` weights."""
   return mapping_of(cfg).config(cfg, tied, dtype)
@@ -346,6 +399,14 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
               tie_word_embeddings=tied, dtype=dtype)
 
 
+def _gemma2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  every = cfg.global_every or (0 if cfg.sliding_window else 1)  # 0: every layer local
+  kinds = ([LOCAL] * (every - 1) + [GLOBAL]) * (cfg.num_layers // every) if every else [LOCAL] * cfg.num_layers
+  return {**_llama_config(cfg, tied, dtype), "sliding_window": cfg.sliding_window or cfg.max_len, "layer_types": kinds,
+          "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_dim,
+          "attn_logit_softcapping": cfg.attention_softcap or None, "final_logit_softcapping": cfg.logit_softcap or None}
+
+
 def _expert_config(cfg: ModelConfig, tied: bool, dtype: str, width: str, **fixed) -> dict:
   """_llama_config with the experts' count (under each name transformers has read it by), width and top k."""
   return {**_llama_config(cfg, tied, dtype), **dict.fromkeys(EXPERT_COUNT, cfg.num_experts), width: cfg.mlp_dim,
@@ -372,6 +433,7 @@ class FamilyMapping:
   tied: Callable[[dict], bool]  # whether config.json ties the head to the token table
   tensors: Callable[[ModelConfig, bool], dict]  # meshlm weight path -> Tensor
   config: Callable[[ModelConfig, bool, str], dict]  # config.model -> config.json
+  capped: bool = False  # it soft-caps, alternates local and global layers and scales scores its own way (Gemma 2)
 
   def holds(self, cfg: ModelConfig) -> bool:
     """Whether the architecture holds cfg's experts, shared expert and window, whatever cfg's family."""
@@ -415,6 +477,9 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
             functools.partial(_expert_fields, family="olmoe", width="intermediate_size", renormalize=False),
             lambda cfg, tied, dtype: _expert_config(cfg, tied, dtype, width="intermediate_size",
                                                     norm_topk_prob=cfg.moe_renormalize)),
+    dataclasses.replace(_rotary("Gemma2ForCausalLM", "gemma2", "gemma2", _GEMMA2_REFUSED, fields=_gemma2_fields,
+                                config=_gemma2_config, windowed=True),
+                        tied=lambda hf: bool(hf.get("tie_word_embeddings", True)), tensors=gemma2_tensors, capped=True),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

@@ -77,7 +77,8 @@ GROWTH = {"positions": 2, "sequences": 3, "layers": 5, "heads": 7, "mlp": 11}
 
 
 def _layer(run, d: Dims, remat: str, chunked: bool = True, recomputed: bool = False) -> Layer:
-  """The run's layer under a remat policy: one dense block of the model (MoE's dispatch is not modelled)
+  """The run's layer under a remat policy: one dense block of the model (MoE's dispatch is not modelled; a window
+  saves what a global layer does)
   on the attention path (one block, or blockwise) and the MLP chunking (unless not `chunked`) the run takes.
 
   `recomputed`: as its backward pass holds it when the whole layer is recomputed. Then the activation's
@@ -89,7 +90,7 @@ def _layer(run, d: Dims, remat: str, chunked: bool = True, recomputed: bool = Fa
   the run's micro-batch, positions and tensor shards, so one trace serves every length and layout.
   """
   return _traced_layer(dataclasses.replace(
-      run.model, num_layers=1, num_experts=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
+      run.model, num_layers=1, num_experts=0, global_every=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
       attention_block=PROBE_POSITIONS // 2 if d.blockwise else 2 * PROBE_POSITIONS,
       mlp_chunk=PROBE_POSITIONS // 2 if chunked and d.mlp_chunks > 1 else 0, loss_chunk=PROBE_POSITIONS,
       document_end=-1, gathered_lookup=False, **({"recompute_activation": False} if recomputed else {})))

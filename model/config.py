@@ -30,6 +30,10 @@ class ModelConfig:
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
   attention_softcap: float = 0.0  # C > 0: each attention score s enters the softmax as C tanh(s / C) (Gemma 2: 50)
+  # k > 0: every k-th layer attends over the whole causal context, the others within sliding_window (Gemma 2: 2)
+  global_every: int = 0
+  # scores scaled by 1 / sqrt(this) rather than the head width (Gemma 2's query_pre_attn_scalar); 0: the head width
+  attention_scale_width: int = 0
   logit_softcap: float = 0.0  # C > 0: each output logit z as C tanh(z / C) (Gemma 2: 30); 0: off
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
@@ -64,8 +68,9 @@ class ModelConfig:
 
   @property
   def layers_per_unit(self) -> int:
-    """Layers in each scanned unit: one dense block, or moe_every blocks whose last is MoE."""
-    return self.moe_every if self.num_experts else 1
+    """Layers in each scanned unit (model/transformer.py Unit): one dense block, moe_every blocks whose last
+    is MoE, or global_every blocks whose last attends globally."""
+    return self.moe_every if self.num_experts else max(self.global_every, 1)
 
   @property
   def num_units(self) -> int:
@@ -169,11 +174,27 @@ class ModelConfig:
                        "packed documents.")
     if self.num_experts:
       self._check_moe()
+    if self.global_every:
+      self._check_global_every()
+    if self.attention_scale_width < 0:
+      raise ValueError(f"model.attention_scale_width={self.attention_scale_width} must be at least 0 (0: scores "
+                       "scaled by the head width, as usual).")
     if self.mup_base_width:
       self._check_mup()
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
+
+  def _check_global_every(self):
+    if self.global_every < 0 or self.num_layers % self.global_every:
+      raise ValueError(f"model.global_every={self.global_every} does not divide model.num_layers={self.num_layers}; "
+                       "the layers repeat in groups that end with a global one (Gemma 2: 2).")
+    if not self.sliding_window:
+      raise ValueError(f"model.global_every={self.global_every} makes the other layers attend within "
+                       "model.sliding_window, which is 0; set the local layers' window (Gemma 2: 4096).")
+    if self.num_experts:
+      raise ValueError(f"model.global_every={self.global_every} and moe.experts={self.num_experts}: layers that "
+                       "alternate windows and experts are not built; use one or the other.")
 
   def _check_rope(self):
     if self.rope_type not in ROPE_TYPES:

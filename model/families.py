@@ -41,4 +41,5 @@ FAMILIES = {
     "qwen2": dataclasses.replace(_LLAMA, model="qwen.Qwen", qkv_bias=True),
     "qwen3": dataclasses.replace(_LLAMA, model="qwen.Qwen", qk_norm="head"),
     "olmoe": dataclasses.replace(_LLAMA, model="olmoe.OLMoE", qk_norm="width"),
+    "gemma2": dataclasses.replace(_LLAMA, model="gemma.Gemma2", activation="gelu"),
 }

@@ -23,13 +23,15 @@ from flax import nnx
 from model.attention import blockwise_attention
 from model.config import ModelConfig
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, MoeUnit
+from model.transformer import ACTIVATION_AXES, Unit
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
 def cache_length(cfg: ModelConfig) -> int:
   """Slots per layer: max_len, or a rolling buffer of the sliding window's W positions where it is shorter."""
+  if cfg.global_every:  # the global layers see every position; the local ones mask theirs by window
+    return cfg.max_len
   return min(cfg.max_len, cfg.sliding_window) if cfg.sliding_window else cfg.max_len
 
 
@@ -87,7 +89,7 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
 
   def unit(x_BTD, block, k_lBSKH, v_lBSKH):
     caches = [LayerCache(k_BSKH, v_BSKH) for k_BSKH, v_BSKH in zip(k_lBSKH, v_lBSKH)]
-    for layer, layer_cache in zip(block.layers if isinstance(block, MoeUnit) else [block], caches, strict=True):
+    for layer, layer_cache in zip(block.layers if isinstance(block, Unit) else [block], caches, strict=True):
       x_BTD, _ = layer(x_BTD, positions_T, cache=layer_cache)  # a MoE layer's router statistics are not needed
     k_lBSKH, v_lBSKH = jnp.stack([c.k_BSKH for c in caches]), jnp.stack([c.v_BSKH for c in caches])
     return constrain(x_BTD, ACTIVATION_AXES), (k_lBSKH, v_lBSKH)

@@ -7,6 +7,7 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -43,15 +44,20 @@ CHECKPOINT_POLICIES = {  # model.remat: what the backward pass keeps rather than
 }
 
 
-class MoeUnit(nnx.Module):
-  """moe_every consecutive blocks, the last with a mixture-of-experts feed-forward layer.
+class Unit(nnx.Module):
+  """cfg.layers_per_unit consecutive blocks that differ by their place in it: with experts, moe_every blocks
+  the last with a mixture-of-experts feed-forward layer; with model.global_every, global_every blocks the
+  last attending over the whole causal context and the others within model.sliding_window (Gemma 2's local
+  and global layers).
 
-  Scanning wants identical units, so a model that alternates dense and MoE
-  layers scans over these pairs (or k-tuples) rather than over single blocks.
+  Scanning wants identical units, so a model whose layers repeat a pattern scans over its period (pairs,
+  or k-tuples) rather than over single blocks.
   """
 
   def __init__(self, block_class, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.layers = nnx.List([block_class(cfg, rngs, moe=i == cfg.moe_every - 1) for i in range(cfg.moe_every)])
+    last = cfg.layers_per_unit - 1
+    self.layers = nnx.List([block_class(unit_layer_config(cfg, i), rngs, moe=bool(cfg.num_experts) and i == last)
+                            for i in range(cfg.layers_per_unit)])
 
   def __call__(self, x_BTD, positions_T, segments_BT=None):
     for layer in self.layers:
@@ -59,13 +65,20 @@ class MoeUnit(nnx.Module):
     return x_BTD, stats  # the last layer's: the MoE one
 
 
+def unit_layer_config(cfg: ModelConfig, place: int) -> ModelConfig:
+  """The config the block at `place` in its unit runs with: the last of a global_every group sees the whole
+  causal context."""
+  last = cfg.global_every and place == cfg.global_every - 1
+  return dataclasses.replace(cfg, sliding_window=0, global_every=0) if last else cfg
+
+
 def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
-  """One unit (a block, or a MoeUnit) whose every parameter has a leading `layers` axis of size num_units."""
+  """One unit (a block, or a Unit of several) whose every parameter has a leading `layers` axis of size num_units."""
 
   @nnx.split_rngs(splits=cfg.num_units)
   @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make(rngs):
-    return MoeUnit(block_class, cfg, rngs) if cfg.num_experts else block_class(cfg, rngs)
+    return Unit(block_class, cfg, rngs) if cfg.num_experts or cfg.layers_per_unit > 1 else block_class(cfg, rngs)
 
   return make(rngs)
 

@@ -71,6 +71,11 @@ MODELS = {
                                     shared_expert_intermediate_size=80), {}),
     # OLMoE: query and key norms over the whole width, the softmax's top-2 weights kept.
     "olmoe": ("olmoe", dict(LLAMA_SHAPE, num_experts=4, num_experts_per_tok=2), {}),
+    # Gemma 2: local layers in a window of 4 alternating with global ones, scores scaled by 1/sqrt(16) rather
+    # than the head width 24, both caps low enough to bite, sandwich norms, GeGLU, the embedding scaled.
+    "gemma2": ("gemma2", dict(LLAMA_SHAPE, num_hidden_layers=4, head_dim=24, sliding_window=4,
+                              query_pre_attn_scalar=16, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                              tie_word_embeddings=True), {}),
     # Dynamic NTK scaling past a context of 8 positions: the 16 tokens raise the rotary base 6.3-fold.
     "llama_dynamic": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=8, rope_scaling={
         "rope_type": "dynamic", "factor": 4.0}), {}),
@@ -81,7 +86,8 @@ FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 
             "mixtral": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
-            "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
+            "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
+            "gemma2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 
@@ -270,7 +276,7 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-          "OlmoeForCausalLM, Qwen3MoeForCausalLM checkpoints")
+          "OlmoeForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):

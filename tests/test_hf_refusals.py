@@ -217,7 +217,8 @@ def test_an_export_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_p
     subprocess.run(["umount", str(full)], check=True)
 
 
-@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny")])
+@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny"),
+                                           ("gemma", "gemma2_tiny")])
 def test_an_import_whose_kv_heads_the_tensor_axis_does_not_divide_is_refused_writing_nothing(tmp_path, file, variant):
   layout = plan(importlib.import_module(f"configs.{file}").get_config(variant), jax.devices()[:1])  # 2 kv heads
   params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), layout.abstract_state["params"])

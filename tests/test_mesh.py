@@ -28,7 +28,8 @@ def test_bad_meshes_are_refused(given, says):
     mesh_shape(given, 8)
 
 
-@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny")])
+@pytest.mark.parametrize("file, variant", [("llama", "tiny"), ("qwen", "qwen2_tiny"), ("qwen", "qwen3_tiny"),
+                                           ("gemma", "gemma2_tiny")])
 def test_kv_heads_the_tensor_axis_does_not_divide_are_refused_before_anything_is_written(tmp_path, file, variant):
   config = importlib.import_module(f"configs.{file}").get_config(variant)  # 4 heads, 2 key/value heads
   config.mesh.data, config.mesh.tensor, config.workdir = 2, 4, str(tmp_path / "run")

@@ -26,6 +26,9 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             "llama window, soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4,
                                           "model.attention_softcap": 0.02, "model.logit_softcap": 1.0},
             "llama soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.attention_softcap": 0.02},
+            # Gemma 2's pairs: a local layer masking its cache by the window of 4, then a global one.
+            "gemma2": {"model.family": "gemma2", "model.kv_heads": 2, "model.sliding_window": 4,
+                       "model.global_every": 2, "model.attention_softcap": 0.02, "model.attention_scale_width": 8},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},
@@ -57,8 +60,9 @@ def test_cached_greedy_decoding_equals_full_recompute(family):
   # recomputing decoder would see after feeding every earlier token.
   reference = full_forward_logits(layout, params, np.concatenate([PROMPT, tokens[0]]))[len(PROMPT) - 1:-1]
   np.testing.assert_allclose(logits[0], reference, rtol=1e-5, atol=1e-5)
-  # A window's cache is a rolling buffer of its W slots, not max_len.
-  assert init_cache(layout.model, 1)["k"].shape[3] == (layout.model.sliding_window or layout.model.max_len)
+  # A window's cache is a rolling buffer of its W slots, not max_len; Gemma 2's global layers need every position.
+  m = layout.model
+  assert init_cache(m, 1)["k"].shape[3] == (m.max_len if m.global_every else m.sliding_window or m.max_len)
   np.testing.assert_array_equal(tokens[0], reference.argmax(-1))
   # Sampling among the top 1 at any temperature is greedy; among the top 5 it is not.
   top_1, _ = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(1)))

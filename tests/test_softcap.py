@@ -88,5 +88,7 @@ def test_a_bad_cap_is_refused_in_one_line(overrides, says):
 
 
 def test_a_soft_capped_model_is_not_exported_as_an_architecture_that_does_not_cap():
-  with pytest.raises(ValueError, match="no Hugging Face architecture meshlm maps soft-caps"):
+  # A capped Llama would load into transformers' Llama, which does not cap, and compute something else.
+  with pytest.raises(ValueError, match="model.attention_softcap=0.02, model.logit_softcap=0.05: meshlm's llama "
+                                       "exports to an architecture that computes none of these; export a gemma2"):
     hf_mapping.mapping_of(model_config(tiny_config(**MODEL)))
