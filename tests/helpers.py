@@ -76,6 +76,15 @@ def loss_and_gradients(overrides, devices):
   return gradients(layout, state["params"], batch)
 
 
+def assert_layout_matches(overrides, reference, what):
+  """The loss and gradients of the first batch under `overrides` (on one device where mesh.data is 1, else on
+  all eight) equal `reference`'s (loss, gradients) to 1e-5."""
+  devices = jax.devices()[:1] if overrides.get("mesh.data") == 1 else jax.devices()
+  loss, grads = loss_and_gradients(overrides, devices)
+  np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+  assert_tree_close(grads, reference[1], f"gradient, {what}")
+
+
 def train_steps(config, layout, state, steps):
   """`state` after the train steps on batches 0 .. steps - 1 (the state is donated)."""
   step = make_train_step(layout, config)

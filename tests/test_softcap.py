@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_tree_close, loss_and_gradients, qkv, tiny_config
+from helpers import assert_layout_matches, assert_tree_close, loss_and_gradients, qkv, tiny_config
 from interop import hf_mapping
 from model.attention import blockwise_attention
 from training.state import model_config
@@ -70,11 +70,7 @@ def test_each_cap_changes_what_the_layouts_are_held_to(one_device):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_attention_path_soft_capped_matches_one_device(name, one_device):
-  overrides = LAYOUTS[name]
-  devices = jax.devices()[:1] if overrides.get("mesh.data") == 1 else jax.devices()
-  loss, grads = loss_and_gradients({**MODEL, **overrides}, devices)
-  np.testing.assert_allclose(loss, one_device[0], rtol=1e-5)
-  assert_tree_close(grads, one_device[1], f"gradient, {name}")
+  assert_layout_matches({**MODEL, **LAYOUTS[name]}, one_device, name)
 
 
 @pytest.mark.parametrize("overrides, says", [
