@@ -21,8 +21,8 @@ from measure.sizes import dims, held_layers, run_of, stage_elements, stage_layer
 from model.attention import largest_divisor
 from model.config import ModelConfig
 from model.transformer import chunk_count, chunk_positions, scan_blocks
-from parallel import context, rules, schedules
-from parallel.costs import F32_BYTES, MASTER_BYTES, Dims, Weight, shard_elements
+from parallel import context, schedules
+from parallel.costs import F32_BYTES, MASTER_BYTES, Dims, Weight
 from parallel.mesh import PIPELINE, TENSOR
 from training.state import build_model
 
