@@ -74,7 +74,7 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
   schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, virtual_stages(pipeline)
   stashes = SCHEDULES[schedule].stashes  # 1F1B: each micro-batch's head runs as it leaves the last stage
   chunks = stages * virtual
-  # A chunk holds whole scanned units: single blocks, or a MoE model's groups of moe.every blocks.
+  # A chunk holds whole scanned units: single blocks, or groups of moe.every (or model.global_every) blocks.
   problem = unequal_problem(model.num_units, model.layers_per_unit, chunks=chunks,
                             first_layers=pipeline.first_stage_layers, last_layers=pipeline.last_stage_layers)
   if problem:
@@ -82,7 +82,8 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
   if not pipeline.first_stage_layers and model.num_units % chunks:
     raise ValueError(
         f"model.num_layers={model.num_layers}"
-        + (f" in groups of moe.every={model.moe_every}" if model.layers_per_unit > 1 else "")
+        + (f" in groups of {model.layers_per_unit} (moe.every or model.global_every)" if model.layers_per_unit > 1
+           else "")
         + f" does not split into mesh.pipeline={stages}"
         + (f" x pipeline.virtual_stages={virtual}" if SCHEDULES[schedule].virtual else "")
         + f" = {chunks} equal chunks; choose a layer count that is a multiple of {chunks * model.layers_per_unit}, "

@@ -282,7 +282,7 @@ def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
     ({"moe.experts": 4, "moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be positive"),
     ({"moe.experts": 4, "moe.every": 3}, "moe.every=3 does not divide model.num_layers=2"),
     ({"moe.experts": 4, "moe.every": 2, "mesh.pipeline": 2, "mesh.data": 4},
-     "model.num_layers=2 in groups of moe.every=2 does not split into mesh.pipeline=2"),
+     r"model.num_layers=2 in groups of 2 \(moe.every or model.global_every\) does not split into mesh.pipeline=2"),
     ({"moe.experts": 4, "moe.dropless": True, "precision.compute": "float8"},
      "moe.dropless=True with precision.compute=float8"),
 ])

@@ -54,7 +54,7 @@ def test_unknown_logical_axis_is_named():
     ({"model.num_layers": 9, "pipeline.first_stage_layers": 2, "pipeline.last_stage_layers": 2}, {"pipeline": 4},
      "the 5 layers between .* do not split equally over the 2 middle chunks"),
     ({"model.num_layers": 4, "moe.experts": 4, "moe.every": 2, "pipeline.first_stage_layers": 1,
-      "pipeline.last_stage_layers": 3}, {"pipeline": 2}, "must be multiples of moe.every=2"),
+      "pipeline.last_stage_layers": 3}, {"pipeline": 2}, "must be multiples of 2, the layers a scanned unit holds"),
     ({"model.num_layers": 3, "pipeline.first_stage_layers": 1, "pipeline.last_stage_layers": 2,
       "model.embed_dim": 63, "model.num_heads": 3}, {"pipeline": 2},
      r"model.embed_dim=63 is not divisible by the stage weights' split \(mesh.pipeline\)=2"),
