@@ -21,6 +21,10 @@ LAYOUTS = {
     "interleaved, pipeline=2 x V=2 x tensor=2 x data=2: 1 3 3 1": {
         "mesh.pipeline": 2, "mesh.tensor": 2, "mesh.data": 2, "pipeline.schedule": "interleaved",
         "pipeline.virtual_stages": 2, **SHORT_ENDS},
+    # The empty slots' lax.cond around a layer whose attention exchanges heads over `sequence`.
+    "gpipe, pipeline=2 x sequence=2 x data=2, Ulysses: 3 5": {
+        "mesh.pipeline": 2, "mesh.sequence": 2, "mesh.data": 2, "attention.context": "ulysses",
+        "pipeline.first_stage_layers": 3, "pipeline.last_stage_layers": 5},
 }
 
 
