@@ -34,6 +34,11 @@ the map gathered, once per step).
   differentiates the loss times float16's loss scale, so the scale reaches
   every gradient through the cotangents the slots pass on.
 
+Unequal stages (pipeline.first_stage_layers and last_stage_layers, parallel/stages.py): the stack enters
+split over `pipeline` by its `embed` axis, not by layer, and `_stage_view` gathers each device's chunks
+whole by one all-to-all per weight, into slots as long as the longest chunk; a slot beyond a shorter
+chunk's layers is skipped under lax.cond, and the all-to-all's transpose returns the gradients.
+
 A mixture-of-experts model pipelines as grad_accum accumulates: each
 micro-batch is routed, balanced and dropped on its own, its router figures
 (model/moe.py `route`) those of all its rows over the batch's devices (the
@@ -267,7 +272,8 @@ def _circular(layout: Layout, params, tokens, scale):
           params[STACKED])
       # A bubble tick does no work: the stage runs under lax.cond (`_slot`), and so does its backward pass.
       run = functools.partial(_run_stage, layout, params, chunk, positions_T=tokens["positions"],
-                              segments_bT=_of_micro_batch(segments_MbT, m, micro), live_L=_live(layout, stage, s // stages))
+                              segments_bT=_of_micro_batch(segments_MbT, m, micro),
+                              live_L=_live(layout, stage, s // stages))
       y_bTD, figures = _slot(layout, valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
