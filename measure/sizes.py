@@ -139,11 +139,7 @@ def stage_units(run, mesh: dict) -> tuple[int, ...] | None:
   """Units in each chunk (virtual stage) when the pipeline's stages are unequal (parallel/stages.py); None
   when they are equal or there is no pipeline."""
   run = run_of(run)
-  p, m = run.pipeline, run.model
-  if mesh[PIPELINE] == 1:
-    return None
-  return stage_split.stage_units(m.num_units, m.layers_per_unit, chunks=mesh[PIPELINE] * schedules.virtual_stages(p),
-                            first_layers=p.first_stage_layers, last_layers=p.last_stage_layers)
+  return stage_split.stage_units(run.model, run.pipeline, mesh[PIPELINE])
 
 
 def stage_layers(run, mesh: dict) -> int:
@@ -203,6 +199,5 @@ def optimizer_costs(run, mesh, weights) -> tuple:
   """The arguments of the optimizer's costs (training/optimizer.py Optimizer): the stack's moments' rules
   (Muon's matrices are all in the stack)."""
   run = run_of(run)
-  stack = [w for w in weights if w.stacked]
   table = rules.optimizer_rules(run.sharding.zero, rules.fsdp_axis(run.sharding))
-  return run.optimizer, stored_table(run, mesh, stack[0], table) if stack else table, mesh, weights
+  return run.optimizer, rules.split_by_embed(table) if stage_units(run, mesh) else table, mesh, weights

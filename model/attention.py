@@ -77,9 +77,12 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
   LayerCache) the new keys and values are written into the layer's cache and
   the queries attend over all of it. With `cfg.sliding_window` = W > 0 a query
   sees only the W latest positions up to its own (Mistral's sliding window). With
-  `cfg.attention_softcap` = C > 0 each scaled score s enters the softmax as C tanh(s / C).
+  `cfg.attention_softcap` = C > 0 each scaled score s enters the softmax as C tanh(s / C). With
+  `cfg.attention_scale_width` = S > 0 scores are scaled by 1 / sqrt(S) rather than by the head width's.
   """
   placement, window, softcap = current(), cfg.sliding_window, cfg.attention_softcap
+  if cfg.attention_scale_width:  # scores over sqrt(this), not the head width, by which every kernel divides
+    q_BTNH = q_BTNH * jnp.asarray((q_BTNH.shape[-1] / cfg.attention_scale_width) ** 0.5, q_BTNH.dtype)
   if cache is not None:
     out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, window, softcap)
   elif placement.attention is not None:

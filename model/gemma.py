@@ -6,9 +6,10 @@ with its own norms, scale and caps.
   post_feedforward), beside the usual pre-norms.
 - The token embedding is multiplied by sqrt(width) (in the compute dtype, as transformers rounds it).
 - GeGLU: the gated feed-forward layer with tanh-GELU (the family's traits).
-- Attention scores scaled by 1 / sqrt(model.attention_scale_width) (query_pre_attn_scalar) and soft-capped
-  (model.attention_softcap), local layers in a sliding window alternating with global ones
-  (model.global_every, model/transformer.py Unit), and the logits soft-capped (model.logit_softcap).
+- Options of every family that Gemma 2 sets (model/config.py): attention scores scaled by
+  1 / sqrt(model.attention_scale_width) (query_pre_attn_scalar) and soft-capped (model.attention_softcap),
+  local layers in a sliding window alternating with global ones (model.global_every, model/transformer.py
+  Unit), and the logits soft-capped (model.logit_softcap).
 Rotary positions, grouped-query attention and the head are model/llama.py's; a tied checkpoint fills the head
 from the token table, as Llama's does.
 """
@@ -35,24 +36,13 @@ class RMSNorm(nnx.Module):
     return rms_norm(x_BTD, 1.0 + self.scale[...].astype(jnp.float32), self.eps)
 
 
-class Attention(llama.Attention):
-  """llama.Attention with scores scaled by 1 / sqrt(attention_scale_width): the queries are rescaled by
-  sqrt(head width / that) before the kernels, which scale by 1 / sqrt(head width)."""
-
-  def project(self, x_BTD):
-    q_BTNH, k_BTKH, v_BTKH = super().project(x_BTD)
-    if self.cfg.attention_scale_width:
-      q_BTNH = q_BTNH * jnp.asarray((self.cfg.head_dim / self.cfg.attention_scale_width) ** 0.5, q_BTNH.dtype)
-    return q_BTNH, k_BTKH, v_BTKH
-
-
 class Block(nnx.Module):
   """Pre- and post-normalised attention and feed-forward layers (sandwich norms)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     del moe  # model/config.py refuses experts with alternating windows, and Gemma 2 has none
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.attn = Attention(cfg, rngs)
+    self.attn = llama.Attention(cfg, rngs)
     self.post_norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = Mlp(cfg, rngs)

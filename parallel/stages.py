@@ -13,15 +13,19 @@ chunk, the longest chunk's length; a slot beyond a shorter chunk's layers is ski
 
 import numpy as np
 
+from parallel.schedules import virtual_stages
 
-def stage_units(num_units: int, layers_per_unit: int, *, chunks: int, first_layers: int,
-                last_layers: int) -> tuple[int, ...] | None:
-  """Units in each of the `chunks` chunks, in virtual-stage order; None when they split equally (neither
-  first nor last set). The settings are checked by parallel/checks.py before this runs."""
-  if not (first_layers or last_layers):
+
+def stage_units(model, pipeline, stages: int) -> tuple[int, ...] | None:
+  """Units in each chunk (virtual stage) of `model` (a ModelConfig) over `stages` stages as `pipeline` (the
+  config's, or the estimator's record of it) sets them, in virtual-stage order; None when they split equally
+  or there is no pipeline. The settings are checked by parallel/checks.py before this runs."""
+  if stages == 1 or not (pipeline.first_stage_layers or pipeline.last_stage_layers):
     return None
-  first, last = first_layers // layers_per_unit, last_layers // layers_per_unit
-  middle = (num_units - first - last) // (chunks - 2) if chunks > 2 else 0
+  chunks = stages * virtual_stages(pipeline)
+  first, last = (layers // model.layers_per_unit for layers in (pipeline.first_stage_layers,
+                                                                  pipeline.last_stage_layers))
+  middle = (model.num_units - first - last) // (chunks - 2) if chunks > 2 else 0
   return (first, *[middle] * (chunks - 2), last)
 
 

@@ -1,6 +1,8 @@
 """Unequal pipeline stages (first and last chunks shorter, parallel/stages.py) compute what one device computes,
 under every schedule, with ZeRO-3 and with experts, and gather each stage by the all-to-alls they promise."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from helpers import (STEPS, assert_params_close, assert_tree_close, loss_and_gradients, objective_and_gradients,
                      run_layout, setup)
 from measure import analysis
+from measure.sizes import Pipeline
 from model.transformer import STACKED
 from parallel import stages
 from parallel.mesh import PIPELINE
@@ -34,14 +37,17 @@ def reference():
 
 
 def test_the_chunks_hold_the_layers_in_order_with_empty_slots_last():
-  units = stages.stage_units(8, 1, chunks=4, first_layers=1, last_layers=1)
+  eight = types.SimpleNamespace(num_units=8, layers_per_unit=1)
+  units = stages.stage_units(eight, Pipeline("interleaved", 4, 2, first_stage_layers=1, last_stage_layers=1), 2)
   assert units == (1, 3, 3, 1)
   # Two devices, two chunks each: device 0 runs chunks 0 and 2, device 1 chunks 1 and 3.
   assert stages.slot_units(units, 2).tolist() == [[[0, 0, 0], [4, 5, 6]], [[1, 2, 3], [7, 0, 0]]]
   assert stages.live_slots(units, 2).tolist() == [[[True, False, False], [True, True, True]],
                                                    [[True, True, True], [True, False, False]]]
   # Llama 3 405B's recipe: 126 layers over 16 stages, the first and last one layer short.
-  assert stages.stage_units(126, 1, chunks=16, first_layers=7, last_layers=7) == (7, *[8] * 14, 7)
+  llama_405b = types.SimpleNamespace(num_units=126, layers_per_unit=1)
+  assert stages.stage_units(llama_405b, Pipeline("1f1b", 16, 1, first_stage_layers=7, last_stage_layers=7),
+                            16) == (7, *[8] * 14, 7)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -89,23 +89,17 @@ def plan(config, devices=None) -> Layout:
   logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
   params_abstract = nnx.to_pure_dict(abstract_params)
   zero, axis = config.sharding.zero, rules.fsdp_axis(config.sharding)
-  virtual = schedules.virtual_stages(config.pipeline)
-  stage_units = stages.stage_units(
-      cfg.num_units, cfg.layers_per_unit, chunks=mesh.shape[PIPELINE] * virtual,
-      first_layers=config.pipeline.first_stage_layers, last_layers=config.pipeline.last_stage_layers
-  ) if mesh.shape[PIPELINE] > 1 else None
+  stage_units = stages.stage_units(cfg, config.pipeline, mesh.shape[PIPELINE])
+  # A stack of unequal stages lies split over `pipeline` by `embed` (parallel/stages.py).
+  stack_rules = (lambda rule_set: rule_set) if stage_units is None else rules.split_by_embed
 
   def placed(rule_set):
-    """Shardings by `rule_set`, the stack's split by `embed` over `pipeline` when its stages are unequal."""
-    placed = rules.shardings(logical, mesh, rule_set)
-    if stage_units is None:
-      return placed
-    return {**placed, STACKED: rules.shardings(logical[STACKED], mesh, rules.split_by_embed(rule_set))}
+    """Shardings by `rule_set`, the stack's by stack_rules(rule_set)."""
+    return {**rules.shardings(logical, mesh, rule_set),
+            STACKED: rules.shardings(logical[STACKED], mesh, stack_rules(rule_set))}
 
   # The optimizer lays out what it gathers (Muon's hidden matrices, all in the stack) as the stack's moments lie.
-  stack_moments = rules.optimizer_rules(zero, axis)
-  tx = make_optimizer(config, params_abstract, logical, mesh,
-                      stack_moments if stage_units is None else rules.split_by_embed(stack_moments))
+  tx = make_optimizer(config, params_abstract, logical, mesh, stack_rules(rules.optimizer_rules(zero, axis)))
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
   param_shardings = placed(rules.weight_rules(zero, axis))
   moment_shardings = placed(rules.optimizer_rules(zero, axis))
@@ -124,7 +118,7 @@ def plan(config, devices=None) -> Layout:
                 batch_sharding=rules.named(mesh, "batch", "length"), abstract_state=abstract_state,
                 schedule=config.pipeline.schedule if mesh.shape[PIPELINE] > 1 else "none",
                 microbatches=config.pipeline.microbatches,
-                virtual_stages=virtual, stage_units=stage_units,
+                virtual_stages=schedules.virtual_stages(config.pipeline), stage_units=stage_units,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
 
