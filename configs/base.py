@@ -94,6 +94,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention_softcap = 0.0  # C > 0: attention scores s soft-capped to C tanh(s / C) (Gemma 2: 50.0); 0: off
   c.model.logit_softcap = 0.0  # C > 0: output logits z soft-capped to C tanh(z / C) (Gemma 2: 30.0); 0: off
   c.model.global_every = 0  # k > 0: every k-th layer global, the rest within sliding_window (Gemma 2: 2); 0: all alike
+  c.model.local_rope_theta = 0.0  # with global_every: the local layers' rotary base, unscaled (Gemma 3: 10000)
   c.model.attention_scale_width = 0  # scores scaled by 1/sqrt(this) (Gemma 2's query_pre_attn_scalar); 0: head width
   c.model.loss_chunk = 4096  # tokens per device in one chunk of the head and loss: logits exist chunk by chunk
   c.model.mlp_chunk = 0  # tokens per device in one chunk of the MLP, recomputed in backward (long contexts); 0: off

@@ -139,7 +139,7 @@ def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None, sh
 
 def in_units(cfg: ModelConfig, table: dict) -> dict:
   """`table` with each block weight at its place in the scanned unit (model/transformer.py Unit) where the
-  blocks are grouped: every layer of a mixture of experts (a unit of one), or Gemma 2's local and global pairs."""
+  blocks are grouped: every layer of a mixture of experts (a unit of one, or moe_every)."""
   if not (cfg.num_experts or cfg.layers_per_unit > 1):
     return table
   k = cfg.layers_per_unit
@@ -148,8 +148,8 @@ def in_units(cfg: ModelConfig, table: dict) -> dict:
              for path, tensor in table.items() if path[0] == "blocks" for j in range(k)}}
 
 
-def gemma2_tensors(cfg: ModelConfig, tied: bool) -> dict:
-  """Llama's tensors with Gemma 2's four norms a layer (model/gemma.py), in its local and global pairs."""
+def gemma_tensors(cfg: ModelConfig, tied: bool) -> dict:
+  """Llama's tensors with Gemma's four norms a layer (model/gemma.py), and Gemma 3's query/key norms."""
   layer = "model.layers.{layer}."
   table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items()
            if path not in (("blocks", "norm_attn", "scale"), ("blocks", "norm_mlp", "scale"))}
@@ -157,7 +157,7 @@ def gemma2_tensors(cfg: ModelConfig, tied: bool) -> dict:
            "norm_mlp": "pre_feedforward_layernorm", "post_norm_mlp": "post_feedforward_layernorm"}
   table.update({("blocks", ours, "scale"): _same(f"{layer}{theirs}.weight", cfg.embed_dim)
                 for ours, theirs in norms.items()})
-  return in_units(cfg, table)
+  return table
 
 
 def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
@@ -203,11 +203,12 @@ def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
   if cfg.family in UNMAPPED:
     raise ValueError(f"meshlm's {cfg.family} has no Hugging Face architecture: {UNMAPPED[cfg.family]}.")
   gemma_like = {"model.attention_softcap": cfg.attention_softcap, "model.logit_softcap": cfg.logit_softcap,
-                "model.global_every": cfg.global_every, "model.attention_scale_width": cfg.attention_scale_width}
+                "model.global_every": cfg.global_every, "model.attention_scale_width": cfg.attention_scale_width,
+                "model.local_rope_theta": cfg.local_rope_theta}
   if any(gemma_like.values()) and not any(m.capped for m in MAPPINGS.values() if m.family == cfg.family):
     set_here = ", ".join(f"{name}={value}" for name, value in gemma_like.items() if value)
     raise ValueError(f"{set_here}: meshlm's {cfg.family} exports to an architecture that computes none of these; "
-                     "export a gemma2 model, or one trained without them.")
+                     "export a gemma2 or gemma3 model, or one trained without them.")
   holding = [m for m in MAPPINGS.values() if m.holds(cfg)]
   found = next((m for m in holding if m.family == cfg.family), None)
   if found is None:  # the architectures that hold these settings, or where none does, every one
@@ -256,8 +257,8 @@ _LLAMA_REFUSED = (
     ("mlp_bias", False, "no MLP biases"),
 )
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
-_GEMMA2_REFUSED = (("hidden_activation", "gelu_pytorch_tanh", "GeGLU with tanh-GELU"), _LLAMA_REFUSED[1])
-# Gemma 2's layer kinds (config.json's layer_types): local ones in its sliding window, then a global one.
+_GEMMA_REFUSED = (("hidden_activation", "gelu_pytorch_tanh", "GeGLU with tanh-GELU"), _LLAMA_REFUSED[1])
+# Gemma's layer kinds (config.json's layer_types): local ones in its sliding window, and global ones.
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 _QWEN2_REFUSED = (_LLAMA_REFUSED[0], _NO_SLIDING_WINDOW)  # its biases are fixed: q/k/v have them, o_proj not
 _QWEN3_REFUSED = (*_LLAMA_REFUSED[:2], _NO_SLIDING_WINDOW)
@@ -345,22 +346,41 @@ def _expert_fields(hf: dict, where: str, family: str, width: str, renormalize: b
           "moe.shared_width": hf.get("shared_expert_intermediate_size") or 0}
 
 
-def _gemma2_fields(hf: dict, where: str) -> dict:
-  """config.model for Gemma 2: the rotary fields, its scale and caps, and its layers' windows, which must repeat
-  k - 1 local layers then a global one (config.json's layer_types; without it, Gemma 2's alternation)."""
+def _gemma_fields(hf: dict, where: str, family: str) -> dict:
+  """config.model for Gemma 2 and 3: the rotary fields (Gemma 3's local layers' base apart), the scale and caps, and
+  the layers' windows, where every k-th layer must be the global one (config.json's layer_types; without it, every
+  other layer for Gemma 2, every sliding_window_pattern-th, 6, for Gemma 3)."""
   layers = hf["num_hidden_layers"]
-  kinds = hf.get("layer_types") or [LOCAL, GLOBAL] * (layers // 2) + [LOCAL] * (layers % 2)
-  every = next((k for k in range(1, layers + 1) if layers % k == 0
-                and kinds == ([LOCAL] * (k - 1) + [GLOBAL]) * (layers // k)), 0)
+  pattern = hf.get("sliding_window_pattern") or {"gemma2": 2, "gemma3": 6}[family]  # before layer_types
+  kinds = hf.get("layer_types") or _layer_kinds(layers, pattern, windowed=True)
+  every = next((k for k in range(1, layers + 1) if kinds == _layer_kinds(layers, k, windowed=True)), 0)
   if not every and set(kinds) != {LOCAL}:
-    raise ValueError(f"{where} sets layer_types {kinds}; meshlm computes groups of local layers each ended by a "
-                     "global one (model.global_every), or every layer local.")
+    raise ValueError(f"{where} sets layer_types {kinds}; meshlm computes every k-th layer global and the others "
+                     "local (model.global_every), or every layer local.")
+  # transformers 5 writes Gemma 3's rotary settings per layer kind; earlier ones the local base apart.
+  by_kind = hf.get("rope_parameters") if GLOBAL in (hf.get("rope_parameters") or {}) else None
+  local = by_kind.get(LOCAL, {}) if by_kind else {"rope_theta": hf.get("rope_local_base_freq")}
+  if local.get("rope_type", "default") != "default":
+    raise ValueError(f"{where} rescales its local layers' rotary positions ({local['rope_type']}); meshlm rotates "
+                     "them by their own base only (model.local_rope_theta).")
+  fields = _llama_fields({**hf, "rope_parameters": by_kind[GLOBAL]} if by_kind else hf, where, family)
+  local_theta = float(local.get("rope_theta") or fields["rope_theta"])
+  if not every:  # every layer local: the local base is the only one
+    fields = {**fields, "rope_theta": local_theta, "rope_type": "default"}
   window = hf.get("sliding_window") or 0
-  return {**_llama_fields(hf, where, "gemma2"), "sliding_window": 0 if every == 1 else window,
-          "global_every": every if every > 1 else 0,
+  return {**fields, "sliding_window": 0 if every == 1 else window, "global_every": every if every > 1 else 0,
+          "local_rope_theta": local_theta if every > 1 and local_theta != fields["rope_theta"] else 0.0,
           "attention_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
           "logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
           "attention_scale_width": int(hf["query_pre_attn_scalar"])}
+
+
+def _layer_kinds(layers: int, every: int, windowed: bool) -> list[str]:
+  """config.json's layer_types: every `every`-th layer global, the others local; every layer local where
+  `every` is 0 and there is a window, global where there is none."""
+  if not every:
+    return [LOCAL if windowed else GLOBAL] * layers
+  return [LOCAL if (i + 1) % every else GLOBAL for i in range(layers)]
 
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
@@ -399,12 +419,18 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
               tie_word_embeddings=tied, dtype=dtype)
 
 
-def _gemma2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
-  every = cfg.global_every or (0 if cfg.sliding_window else 1)  # 0: every layer local
-  kinds = ([LOCAL] * (every - 1) + [GLOBAL]) * (cfg.num_layers // every) if every else [LOCAL] * cfg.num_layers
-  return {**_llama_config(cfg, tied, dtype), "sliding_window": cfg.sliding_window or cfg.max_len, "layer_types": kinds,
-          "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_dim,
-          "attn_logit_softcapping": cfg.attention_softcap or None, "final_logit_softcapping": cfg.logit_softcap or None}
+def _gemma_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  config = {**_llama_config(cfg, tied, dtype), "sliding_window": cfg.sliding_window or cfg.max_len,
+            "layer_types": _layer_kinds(cfg.num_layers, cfg.global_every, bool(cfg.sliding_window)),
+            "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_dim,
+            "attn_logit_softcapping": cfg.attention_softcap or None,
+            "final_logit_softcapping": cfg.logit_softcap or None}
+  if cfg.family == "gemma3":  # rotary settings per layer kind (transformers 5), and the local base (transformers 4)
+    local_theta = cfg.local_rope_theta or cfg.rope_theta
+    config.update(rope_local_base_freq=local_theta,
+                  rope_parameters={GLOBAL: config["rope_parameters"],
+                                   LOCAL: {"rope_type": "default", "rope_theta": local_theta}})
+  return config
 
 
 def _expert_config(cfg: ModelConfig, tied: bool, dtype: str, width: str, **fixed) -> dict:
@@ -477,9 +503,11 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
             functools.partial(_expert_fields, family="olmoe", width="intermediate_size", renormalize=False),
             lambda cfg, tied, dtype: _expert_config(cfg, tied, dtype, width="intermediate_size",
                                                     norm_topk_prob=cfg.moe_renormalize)),
-    dataclasses.replace(_rotary("Gemma2ForCausalLM", "gemma2", "gemma2", _GEMMA2_REFUSED, fields=_gemma2_fields,
-                                config=_gemma2_config, windowed=True),
-                        tied=lambda hf: bool(hf.get("tie_word_embeddings", True)), tensors=gemma2_tensors, capped=True),
+    *(dataclasses.replace(_rotary(architecture, model_type, family, _GEMMA_REFUSED, config=_gemma_config,
+                                  fields=functools.partial(_gemma_fields, family=family), windowed=True),
+                          tied=lambda hf: bool(hf.get("tie_word_embeddings", True)), tensors=gemma_tensors, capped=True)
+      for architecture, model_type, family in (("Gemma2ForCausalLM", "gemma2", "gemma2"),
+                                               ("Gemma3ForCausalLM", "gemma3_text", "gemma3"))),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

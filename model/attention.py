@@ -67,7 +67,8 @@ def splash_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT=None, *, window: int = 
   return heads_first(jax.vmap(packed)(q_BNTH, k_BNTH, v_BNTH, segments_BT))
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None, cache=None) -> jax.Array:
+def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT=None, cache=None,
+              global_layer=None) -> jax.Array:
   """Causal attention by token position, with K <= N key/value heads (grouped-query).
 
   Positions, not array order, decide what each query may see: the placement's
@@ -76,32 +77,49 @@ def attention(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg: ModelConfig, segments_BT
   sees only keys of its own segment. With `cache` (decoding, model/kv_cache.py
   LayerCache) the new keys and values are written into the layer's cache and
   the queries attend over all of it. With `cfg.sliding_window` = W > 0 a query
-  sees only the W latest positions up to its own (Mistral's sliding window). With
+  sees only the W latest positions up to its own (Mistral's sliding window); with model.global_every, only in
+  the layers where `global_layer` is False (`per_layer_window`). With
   `cfg.attention_softcap` = C > 0 each scaled score s enters the softmax as C tanh(s / C). With
   `cfg.attention_scale_width` = S > 0 scores are scaled by 1 / sqrt(S) rather than by the head width's.
   """
-  placement, window, softcap = current(), cfg.sliding_window, cfg.attention_softcap
+  placement, softcap = current(), cfg.attention_softcap
   if cfg.attention_scale_width:  # scores over sqrt(this), not the head width, by which every kernel divides
     q_BTNH = q_BTNH * jnp.asarray((q_BTNH.shape[-1] / cfg.attention_scale_width) ** 0.5, q_BTNH.dtype)
   if cache is not None:
-    out_BTNH = cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, window, softcap)
-  elif placement.attention is not None:
-    out_BTNH = placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block,
-                                   window=window, softcap=softcap)
-  elif (chosen := kernel(cfg, jax.default_backend())) == "cudnn":  # parallel/checks.py keeps packing off it
-    # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run; so is its
-    # window, (W - 1) keys before each query and none after.
-    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn",
-                                            local_window_size=(window - 1, 0) if window else None)
-  elif chosen == "splash":  # causal by index too
-    segments = () if segments_BT is None else (segments_BT,)
-    out_BTNH = placement.per_device(functools.partial(splash_attention, window=window, softcap=softcap), q_BTNH,
-                                    k_BSKH, v_BSKH, *segments)
-  else:
+    return cache.attend(q_BTNH, k_BSKH, v_BSKH, positions_T, cfg.attention_block, cfg.sliding_window, softcap,
+                        global_layer)
+
+  def attend(window):
+    if placement.attention is not None:
+      return placement.attention(q_BTNH, k_BSKH, v_BSKH, positions_T, segments_BT, block=cfg.attention_block,
+                                 window=window, softcap=softcap)
+    if (chosen := kernel(cfg, jax.default_backend())) == "cudnn":  # parallel/checks.py keeps packing off it
+      # cuDNN's causal mask is by index: right when queries and keys are the same contiguous run; so is its
+      # window, (W - 1) keys before each query and none after.
+      return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation="cudnn",
+                                          local_window_size=(window - 1, 0) if window else None)
+    if chosen == "splash":  # causal by index too
+      segments = () if segments_BT is None else (segments_BT,)
+      return placement.per_device(functools.partial(splash_attention, window=window, softcap=softcap), q_BTNH,
+                                  k_BSKH, v_BSKH, *segments)
     segments = None if segments_BT is None else (segments_BT, segments_BT)
-    out_BTNH, _ = blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
-                                      segments, window, softcap)
-  return checkpoint_name(out_BTNH, ATTENTION_OUT)
+    return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, positions_T, cfg.attention_block,
+                               segments, window, softcap)[0]
+
+  return checkpoint_name(per_layer_window(attend, cfg.sliding_window, global_layer), ATTENTION_OUT)
+
+
+def per_layer_window(attend, window: int, global_layer=None):
+  """attend(window), or where the traced flag `global_layer` is given, attend over the whole causal context
+  (attend(0)) in the layers where it is True and within `window` in the others.
+
+  Each branch of the lax.cond has a static window, so every kernel keeps its own masks and skipped blocks,
+  and a stack whose global layers do not fall into equal groups (Gemma 3 1B: every sixth of 26) still scans
+  one kind of block.
+  """
+  if global_layer is None:
+    return attend(window)
+  return jax.lax.cond(global_layer, lambda: attend(0), lambda: attend(window))
 
 
 def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_T, k_positions_S, block: int, segments=None,
@@ -360,12 +378,13 @@ class SelfAttention(nnx.Module):
     self.out_bias = zeros((d,), ("embed",))
     self.cfg = cfg
 
-  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None,
+               global_layer=None) -> jax.Array:
     dtype = self.cfg.dtype
     qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype, self.cfg.fp8)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
-    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT, cache)
+    out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT, cache, global_layer)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

@@ -30,8 +30,12 @@ class ModelConfig:
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
   attention_softcap: float = 0.0  # C > 0: each attention score s enters the softmax as C tanh(s / C) (Gemma 2: 50)
-  # k > 0: every k-th layer attends over the whole causal context, the others within sliding_window (Gemma 2: 2)
+  # k > 0: every k-th layer attends over the whole causal context, the others within sliding_window (Gemma 2: 2,
+  # Gemma 3: 6); k need not divide num_layers (Gemma 3 1B's 26 layers end with two local ones)
   global_every: int = 0
+  # with global_every: the local layers' rotary base, without rope_type's rescaling (Gemma 3: 10000, its global
+  # layers 1e6 and linear x8); 0: every layer rotates alike
+  local_rope_theta: float = 0.0
   # scores scaled by 1 / sqrt(this) rather than the head width (Gemma 2's query_pre_attn_scalar); 0: the head width
   attention_scale_width: int = 0
   logit_softcap: float = 0.0  # C > 0: each output logit z as C tanh(z / C) (Gemma 2: 30); 0: off
@@ -68,9 +72,15 @@ class ModelConfig:
 
   @property
   def layers_per_unit(self) -> int:
-    """Layers in each scanned unit (model/transformer.py Unit): one dense block, moe_every blocks whose last
-    is MoE, or global_every blocks whose last attends globally."""
-    return self.moe_every if self.num_experts else max(self.global_every, 1)
+    """Layers in each scanned unit (model/transformer.py Unit): one dense block, or moe_every blocks whose last
+    is MoE."""
+    return self.moe_every if self.num_experts else 1
+
+  @property
+  def global_layers(self) -> tuple[bool, ...]:
+    """Whether each layer attends over the whole causal context (model.global_every); all True without windows
+    alternating. Layer i is global when i + 1 is a multiple of global_every, as transformers' layer_types."""
+    return tuple(not self.global_every or (i + 1) % self.global_every == 0 for i in range(self.num_layers))
 
   @property
   def num_units(self) -> int:
@@ -176,6 +186,9 @@ class ModelConfig:
       self._check_moe()
     if self.global_every:
       self._check_global_every()
+    elif self.local_rope_theta:
+      raise ValueError(f"model.local_rope_theta={self.local_rope_theta} is the local layers' rotary base, but "
+                       "model.global_every=0 makes no layer global; set global_every (Gemma 3: 6) or leave it at 0.")
     if self.attention_scale_width < 0:
       raise ValueError(f"model.attention_scale_width={self.attention_scale_width} must be at least 0 (0: scores "
                        "scaled by the head width, as usual).")
@@ -186,12 +199,15 @@ class ModelConfig:
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
 
   def _check_global_every(self):
-    if self.global_every < 0 or self.num_layers % self.global_every:
-      raise ValueError(f"model.global_every={self.global_every} does not divide model.num_layers={self.num_layers}; "
-                       "the layers repeat in groups that end with a global one (Gemma 2: 2).")
+    if not 0 < self.global_every <= self.num_layers:
+      raise ValueError(f"model.global_every={self.global_every} must be between 1 and model.num_layers="
+                       f"{self.num_layers}: every k-th layer is global (Gemma 2: 2, Gemma 3: 6).")
     if not self.sliding_window:
       raise ValueError(f"model.global_every={self.global_every} makes the other layers attend within "
                        "model.sliding_window, which is 0; set the local layers' window (Gemma 2: 4096).")
+    if self.local_rope_theta < 0 or (self.local_rope_theta and not self.traits.rotary):
+      raise ValueError(f"model.local_rope_theta={self.local_rope_theta} must be a positive rotary base for a family "
+                       "with rotary positions, or 0 for every layer rotating alike.")
     if self.num_experts:
       raise ValueError(f"model.global_every={self.global_every} and moe.experts={self.num_experts}: layers that "
                        "alternate windows and experts are not built; use one or the other.")

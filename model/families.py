@@ -41,5 +41,6 @@ FAMILIES = {
     "qwen2": dataclasses.replace(_LLAMA, model="qwen.Qwen", qkv_bias=True),
     "qwen3": dataclasses.replace(_LLAMA, model="qwen.Qwen", qk_norm="head"),
     "olmoe": dataclasses.replace(_LLAMA, model="olmoe.OLMoE", qk_norm="width"),
-    "gemma2": dataclasses.replace(_LLAMA, model="gemma.Gemma2", activation="gelu"),
+    "gemma2": dataclasses.replace(_LLAMA, model="gemma.Gemma", activation="gelu"),
+    "gemma3": dataclasses.replace(_LLAMA, model="gemma.Gemma", activation="gelu", qk_norm="head"),
 }

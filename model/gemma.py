@@ -1,5 +1,5 @@
-"""Gemma 2 (Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024): Llama's decoder
-with its own norms, scale and caps.
+"""Gemma 2 and Gemma 3's text model (Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size",
+2024; "Gemma 3 Technical Report", 2025): Llama's decoder with its own norms, scale and caps.
 
 - RMSNorm multiplies by (1 + w), w starting at zero, in float32.
 - Sandwich norms: each sub-layer's output is normalised again before the residual add (post_attention and
@@ -8,8 +8,12 @@ with its own norms, scale and caps.
 - GeGLU: the gated feed-forward layer with tanh-GELU (the family's traits).
 - Options of every family that Gemma 2 sets (model/config.py): attention scores scaled by
   1 / sqrt(model.attention_scale_width) (query_pre_attn_scalar) and soft-capped (model.attention_softcap),
-  local layers in a sliding window alternating with global ones (model.global_every, model/transformer.py
-  Unit), and the logits soft-capped (model.logit_softcap).
+  local layers in a sliding window alternating with global ones (model.global_every: Gemma 2 every other
+  layer, Gemma 3 every sixth; model/attention.py per_layer_window), and the logits soft-capped
+  (model.logit_softcap).
+- Gemma 3 (the family's qk_norm trait) normalises each query and key head by a (1 + w) RMSNorm before
+  rotary positions, drops the soft-caps, and rotates its local layers by their own base
+  (model.local_rope_theta, 10,000; the global ones by 1,000,000, linearly rescaled in the larger models).
 Rotary positions, grouped-query attention and the head are model/llama.py's; a tied checkpoint fills the head
 from the token table, as Llama's does.
 """
@@ -26,37 +30,55 @@ from model.transformer import ACTIVATION_AXES, embedding_rows, feed_forward
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square normalisation times (1 + w), w a zero-initialised gain, in float32."""
+  """Root-mean-square normalisation over the last axis (`axis`, its logical name) times (1 + w), w a
+  zero-initialised gain, in float32."""
 
-  def __init__(self, dim: int, eps: float):
-    self.scale = zeros((dim,), ("embed",))
+  def __init__(self, dim: int, eps: float, axis: str = "embed"):
+    self.scale = zeros((dim,), (axis,))
     self.eps = eps
 
   def __call__(self, x_BTD):
     return rms_norm(x_BTD, 1.0 + self.scale[...].astype(jnp.float32), self.eps)
 
 
+class Attention(llama.Attention):
+  """llama.Attention, with Gemma 3's query and key norms (one (1 + w) gain per head_dim, shared by the heads)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs)
+    if cfg.traits.qk_norm == "head":
+      self.q_norm = RMSNorm(cfg.head_dim, cfg.epsilon, axis="head_dim")
+      self.k_norm = RMSNorm(cfg.head_dim, cfg.epsilon, axis="head_dim")
+
+  def project(self, x_BTD):
+    q_BTNH, k_BTKH, v_BTKH = super().project(x_BTD)
+    if self.cfg.traits.qk_norm == "head":
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    return q_BTNH, k_BTKH, v_BTKH
+
+
 class Block(nnx.Module):
   """Pre- and post-normalised attention and feed-forward layers (sandwich norms)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-    del moe  # model/config.py refuses experts with alternating windows, and Gemma 2 has none
+    del moe  # model/config.py refuses experts with alternating windows, and Gemma has none
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.attn = llama.Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
     self.post_norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = Mlp(cfg, rngs)
     self.post_norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
-    attended_BTD = self.post_norm_attn(self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache))
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
+    attended_BTD = self.post_norm_attn(self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache,
+                                                 global_layer))
     x_BTD = constrain(x_BTD + attended_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + self.post_norm_mlp(y_BTD), stats
 
 
-class Gemma2(llama.Llama):
-  """Gemma 2's decoder: Llama's, with the blocks, norms and embedding scale above."""
+class Gemma(llama.Llama):
+  """Gemma 2's and 3's decoder: Llama's, with the blocks, norms and embedding scale above."""
 
   block_class = Block
 

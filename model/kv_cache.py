@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.attention import blockwise_attention
+from model.attention import blockwise_attention, per_layer_window
 from model.config import ModelConfig
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, Unit
+from model.transformer import ACTIVATION_AXES, Unit, layer_kinds
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 
@@ -52,18 +52,20 @@ class LayerCache:
   def __init__(self, k_BSKH, v_BSKH):
     self.k_BSKH, self.v_BSKH = k_BSKH, v_BSKH
 
-  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0, softcap: float = 0.0):
+  def attend(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int = 0, softcap: float = 0.0,
+             global_layer=None):
     """Write the new keys and values at their contiguous `positions_T`, then attend over the whole cache (within
-    a sliding `window` W > 0, over the rolling buffer and the new tokens; scores soft-capped at `softcap`)."""
+    a sliding `window` W > 0, over the rolling buffer and the new tokens; scores soft-capped at `softcap`; with
+    `global_layer`, the window as model/attention.py per_layer_window applies it, over the whole cache)."""
     slots = self.k_BSKH.shape[1]
-    if window and slots == window:
+    if window and slots == window and global_layer is None:
       return self._attend_rolling(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block, window, softcap)
     write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
         cache, new.astype(cache.dtype), positions_T[0], axis=1), CACHE_AXES)
     self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
-    out_BTNH, _ = blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T, jnp.arange(slots), block,
-                                      window=window, softcap=softcap)
-    return out_BTNH
+    attend = lambda window: blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T, jnp.arange(slots),
+                                                block, window=window, softcap=softcap)[0]
+    return per_layer_window(attend, window, global_layer)
 
   def _attend_rolling(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int, softcap: float):
     start = positions_T[0]
@@ -87,13 +89,14 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
   """Logits for `tokens_BT` at contiguous `positions_T`, attending over the cache; returns (logits, cache)."""
   x_BTD = model.embed_tokens(tokens_BT, positions_T)
 
-  def unit(x_BTD, block, k_lBSKH, v_lBSKH):
+  def unit(x_BTD, block, k_lBSKH, v_lBSKH, kinds):
     caches = [LayerCache(k_BSKH, v_BSKH) for k_BSKH, v_BSKH in zip(k_lBSKH, v_lBSKH)]
     for layer, layer_cache in zip(block.layers if isinstance(block, Unit) else [block], caches, strict=True):
-      x_BTD, _ = layer(x_BTD, positions_T, cache=layer_cache)  # a MoE layer's router statistics are not needed
+      # a MoE layer's router statistics are not needed
+      x_BTD, _ = layer(x_BTD, positions_T, cache=layer_cache, **kinds)
     k_lBSKH, v_lBSKH = jnp.stack([c.k_BSKH for c in caches]), jnp.stack([c.v_BSKH for c in caches])
     return constrain(x_BTD, ACTIVATION_AXES), (k_lBSKH, v_lBSKH)
 
-  x_BTD, (k_UlBSKH, v_UlBSKH) = nnx.scan(unit, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))(
-      x_BTD, model.blocks, cache["k"], cache["v"])
+  x_BTD, (k_UlBSKH, v_UlBSKH) = nnx.scan(unit, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))(
+      x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))
   return model.logits(x_BTD), {"k": k_UlBSKH, "v": v_UlBSKH}

@@ -1,5 +1,6 @@
 """A Llama-style family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head."""
 
+import dataclasses
 import math
 
 import jax
@@ -84,12 +85,19 @@ def sequence_length(positions_T) -> jax.Array:
   return jax.lax.pmax(length, split_over) if split_over else length
 
 
-def rotary(x_BTNH, positions_T, cfg: ModelConfig):
-  """Rotate each (first half, second half) pair of x by its token's global position (RoFormer)."""
+def rotary(x_BTNH, positions_T, cfg: ModelConfig, global_layer=None):
+  """Rotate each (first half, second half) pair of x by its token's global position (RoFormer).
+
+  With model.local_rope_theta set, a layer that is not global (`global_layer` False; model/transformer.py
+  layer_kinds) rotates by that base, without rope_type's rescaling (Gemma 3's local layers)."""
   half = x_BTNH.shape[-1] // 2
   frequencies_F = rotary_frequencies(half, cfg, sequence_length(positions_T) if cfg.rope_type == "dynamic" else None)
-  angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
   scale = rope_scale(cfg)
+  if cfg.local_rope_theta and global_layer is not None:
+    local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_type="default")
+    frequencies_F = jnp.where(global_layer, frequencies_F, rotary_frequencies(half, local))
+    scale = jnp.where(global_layer, scale, 1.0)
+  angles_TF = positions_T.astype(jnp.float32)[:, None] * frequencies_F[None, :]
   cos_TF, sin_TF = scale * jnp.cos(angles_TF)[:, None, :], scale * jnp.sin(angles_TF)[:, None, :]
   x1, x2 = x_BTNH[..., :half].astype(jnp.float32), x_BTNH[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([x1 * cos_TF - x2 * sin_TF, x2 * cos_TF + x1 * sin_TF], axis=-1)
@@ -115,13 +123,13 @@ class Attention(nnx.Module):
             matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8),
             matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8))
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
     cfg = self.cfg
     q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
-    q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg), ("batch", "length", "heads", "head_dim"))
-    k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg), ("batch", "length", "kv_heads", "head_dim"))
+    q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg, global_layer), ("batch", "length", "heads", "head_dim"))
+    k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg, global_layer), ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
-    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT, cache)
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_T, cfg, segments_BT, cache, global_layer)
     return matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], cfg.dtype, cfg.fp8)
 
 
@@ -136,8 +144,9 @@ class Block(nnx.Module):
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None):
-    x_BTD = constrain(x_BTD + self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache), ACTIVATION_AXES)
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
+    attended_BTD = self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache, global_layer)
+    x_BTD = constrain(x_BTD + attended_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats
 

@@ -7,7 +7,6 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -45,19 +44,15 @@ CHECKPOINT_POLICIES = {  # model.remat: what the backward pass keeps rather than
 
 
 class Unit(nnx.Module):
-  """cfg.layers_per_unit consecutive blocks that differ by their place in it: with experts, moe_every blocks
-  the last with a mixture-of-experts feed-forward layer; with model.global_every, global_every blocks the
-  last attending over the whole causal context and the others within model.sliding_window (Gemma 2's local
-  and global layers).
+  """moe_every consecutive blocks, the last with a mixture-of-experts feed-forward layer.
 
-  Scanning wants identical units, so a model whose layers repeat a pattern scans over its period (pairs,
-  or k-tuples) rather than over single blocks.
+  Scanning wants identical units, so a model whose every k-th layer is MoE scans over k-tuples of blocks
+  rather than over single blocks.
   """
 
   def __init__(self, block_class, cfg: ModelConfig, rngs: nnx.Rngs):
     last = cfg.layers_per_unit - 1
-    self.layers = nnx.List([block_class(unit_layer_config(cfg, i), rngs, moe=bool(cfg.num_experts) and i == last)
-                            for i in range(cfg.layers_per_unit)])
+    self.layers = nnx.List([block_class(cfg, rngs, moe=i == last) for i in range(cfg.layers_per_unit)])
 
   def __call__(self, x_BTD, positions_T, segments_BT=None):
     for layer in self.layers:
@@ -65,11 +60,14 @@ class Unit(nnx.Module):
     return x_BTD, stats  # the last layer's: the MoE one
 
 
-def unit_layer_config(cfg: ModelConfig, place: int) -> ModelConfig:
-  """The config the block at `place` in its unit runs with: the last of a global_every group sees the whole
-  causal context."""
-  last = cfg.global_every and place == cfg.global_every - 1
-  return dataclasses.replace(cfg, sliding_window=0, global_every=0) if last else cfg
+def layer_kinds(cfg: ModelConfig, units_L=None) -> dict:
+  """What a block needs to know of its place in the stack, as keyword arguments for the units `units_L` (the
+  stack's own order when None), each a per-unit array for a scan: with model.global_every, `global_layer`,
+  whether the layer attends over the whole causal context (model/attention.py `attention`); {} otherwise."""
+  if not cfg.global_every:
+    return {}
+  units_L = jnp.arange(cfg.num_units) if units_L is None else units_L
+  return {"global_layer": jnp.asarray(cfg.global_layers)[units_L]}
 
 
 def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -78,33 +76,35 @@ def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
   @nnx.split_rngs(splits=cfg.num_units)
   @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make(rngs):
-    return Unit(block_class, cfg, rngs) if cfg.num_experts or cfg.layers_per_unit > 1 else block_class(cfg, rngs)
+    return Unit(block_class, cfg, rngs) if cfg.num_experts else block_class(cfg, rngs)
 
   return make(rngs)
 
 
-def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None):
+def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None, units_L=None):
   """Run the stacked units in order with nnx.scan, under the configured remat policy.
 
   Returns the output and each unit's router statistics stacked on a leading axis ({} when dense).
   With `live_L`, a unit where it is False is skipped (lax.cond: no work), its statistics zero: the
-  slots beyond a shorter pipeline chunk's units (parallel/stages.py).
+  slots beyond a shorter pipeline chunk's units (parallel/stages.py). `units_L` says which of the model's
+  units the stacked ones are (a pipeline stage's share; layer_kinds), the whole stack in order when None.
   """
 
-  def apply_block(x_BTD, block, positions_T, segments_BT):
+  def apply_block(x_BTD, block, positions_T, segments_BT, kinds):
     # Named so that every use inside the block reads the named value: under full_offload the
     # host copy is then the block's only residual, and the device copy dies with the forward pass.
-    x_BTD, stats = block(checkpoint_name(x_BTD, BLOCK_INPUT), positions_T, segments_BT)
+    x_BTD, stats = block(checkpoint_name(x_BTD, BLOCK_INPUT), positions_T, segments_BT, **kinds)
     return constrain(x_BTD, ACTIVATION_AXES), stats
 
   if cfg.remat != "none":
     apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
+  kinds_L = layer_kinds(cfg, units_L)
   live = () if live_L is None else (live_L,)
   if live:
     apply_block = _unless_dead(apply_block)
   if cfg.scan_layers:
-    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, *[0] * len(live)), out_axes=(nnx.Carry, 0))(
-        x_BTD, blocks, positions_T, segments_BT, *live)
+    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, 0, *[0] * len(live)), out_axes=(nnx.Carry, 0))(
+        x_BTD, blocks, positions_T, segments_BT, kinds_L, *live)
   # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
   # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
   # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
@@ -112,7 +112,8 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, 
   stats = []
   for unit in range(jax.tree.leaves(stack)[0].shape[0]):
     x_BTD, unit_stats = apply_block(x_BTD, nnx.merge(graphdef, jax.tree.map(lambda p: p[unit], stack)),
-                                    positions_T, segments_BT, *(l_L[unit] for l_L in live))
+                                    positions_T, segments_BT, jax.tree.map(lambda k_L: k_L[unit], kinds_L),
+                                    *(l_L[unit] for l_L in live))
     stats.append(unit_stats)
   return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
 
@@ -120,9 +121,9 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, 
 def _unless_dead(apply_block):
   """apply_block taking a `live` flag last: the block where it is True; where False (lax.cond: no work)
   the input passed on and zero statistics."""
-  def apply(x_BTD, block, positions_T, segments_BT, live):
+  def apply(x_BTD, block, positions_T, segments_BT, kinds, live):
     graphdef, state = nnx.split(block)
-    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT)
+    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT, kinds)
     dead = lambda x_BTD, state: (x_BTD, jax.tree.map(_zeros_as, jax.eval_shape(run, x_BTD, state)[1]))
     return jax.lax.cond(live, run, dead, x_BTD, state)
   return apply
@@ -398,11 +399,11 @@ class LanguageModel(nnx.Module):
     """Float32 logits, the vocabulary's padding masked."""
     return masked_vocab(self.head_output(x_BTD), self.cfg)
 
-  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None, live_L=None):
+  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None, live_L=None, units_L=None):
     """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense); `live_L`
-    skips the units where it is False (scan_blocks)."""
+    skips the units where it is False and `units_L` names the stacked units (scan_blocks)."""
     positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else positions_T
-    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT, live_L)
+    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT, live_L, units_L)
     return x_BTD, summarize(stats)
 
   def predict(self, tokens_BT):

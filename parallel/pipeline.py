@@ -185,20 +185,25 @@ def _stage_view(layout: Layout, specs, stored):
   return jax.tree.map(view, stored, specs)
 
 
-def _live(layout: Layout, stage, chunk):
-  """Which of the slots of this stage's `chunk` hold units: None when the stages are equal (all of them)."""
-  if layout.stage_units is None:
-    return None
-  return jnp.asarray(stage_split.live_slots(layout.stage_units, layout.mesh.shape[PIPELINE]))[stage, chunk]
+def _slots(layout: Layout, stage, chunk) -> dict:
+  """What run_blocks needs to know of the slots of this stage's `chunk`: which hold units (`live_L`, unequal
+  stages only) and which of the model's units they hold (`units_L`, only where the layers differ by place:
+  model.global_every)."""
+  stages, model = layout.mesh.shape[PIPELINE], layout.model
+  units = layout.stage_units or (model.num_units // (stages * layout.virtual_stages),) * stages * layout.virtual_stages
+  return {**({"live_L": jnp.asarray(stage_split.live_slots(units, stages))[stage, chunk]}
+             if layout.stage_units else {}),
+          **({"units_L": jnp.asarray(stage_split.slot_units(units, stages))[stage, chunk]}
+             if model.global_every else {})}
 
 
-def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None, live_L=None):
+def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None, slots=None):
   """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
   micro-batch's, the same on each of the stage's token shards, so each holds 1/shards of it: summed over
-  the devices like the loss's shares, it counts once. `live_L` marks the slots that hold units (unequal
-  stages)."""
+  the devices like the loss's shares, it counts once. `slots` tells run_blocks which units the stage's slots
+  hold (`_slots`)."""
   model = nnx.merge(layout.graphdef, {**params, STACKED: blocks})
-  y_bTD, figures = model.run_blocks(x_bTD, positions_T, segments_bT, live_L)
+  y_bTD, figures = model.run_blocks(x_bTD, positions_T, segments_bT, **(slots or {}))
   return y_bTD, {key: _varying(value) / _shards(layout) for key, value in figures.items()}
 
 
@@ -273,7 +278,7 @@ def _circular(layout: Layout, params, tokens, scale):
       # A bubble tick does no work: the stage runs under lax.cond (`_slot`), and so does its backward pass.
       run = functools.partial(_run_stage, layout, params, chunk, positions_T=tokens["positions"],
                               segments_bT=_of_micro_batch(segments_MbT, m, micro),
-                              live_L=_live(layout, stage, s // stages))
+                              slots=_slots(layout, stage, s // stages))
       y_bTD, figures = _slot(layout, valid, run, lambda x: _zeros(jax.eval_shape(run, x)), x_bTD)
       return jax.lax.ppermute(y_bTD, PIPELINE, ring), (y_bTD, figures)
 
@@ -308,7 +313,7 @@ def _one_f_one_b(layout: Layout, params, tokens, scale):
   segments_MbT = _micro_batches(layout, tokens, "segments")
   # Micro-batch f through the stage (its packed documents' segments, where there are any).
   run_stage = lambda blocks, x_bTD, f: _run_stage(layout, shared, blocks, x_bTD, tokens["positions"],
-                                                   _of_micro_batch(segments_MbT, f, micro), _live(layout, stage, 0))
+                                                   _of_micro_batch(segments_MbT, f, micro), _slots(layout, stage, 0))
 
   def differentiated(f):
     """The stage on micro-batch f as a function of (blocks, input) -> ((the stage's output, its auxiliary

@@ -76,6 +76,15 @@ MODELS = {
     "gemma2": ("gemma2", dict(LLAMA_SHAPE, num_hidden_layers=4, head_dim=24, sliding_window=4,
                               query_pre_attn_scalar=16, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
                               tie_word_embeddings=True), {}),
+    # Gemma 3: every third of 5 layers global (it does not divide them), query and key norms, the local layers'
+    # rotary base 100 beside the global ones' 10,000 rescaled linearly x2, no caps.
+    "gemma3": ("gemma3", dict(LLAMA_SHAPE, num_hidden_layers=5, head_dim=24, sliding_window=4, query_pre_attn_scalar=16,
+                              layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2,
+                              tie_word_embeddings=True,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 10000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+               {}),
     # Dynamic NTK scaling past a context of 8 positions: the 16 tokens raise the rotary base 6.3-fold.
     "llama_dynamic": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=8, rope_scaling={
         "rope_type": "dynamic", "factor": 4.0}), {}),
@@ -87,7 +96,8 @@ FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 
             "qwen3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
-            "gemma2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
+            "gemma2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
+            "gemma3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 

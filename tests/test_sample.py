@@ -26,9 +26,12 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             "llama window, soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.sliding_window": 4,
                                           "model.attention_softcap": 0.02, "model.logit_softcap": 1.0},
             "llama soft-capped": {"model.family": "llama", "model.kv_heads": 2, "model.attention_softcap": 0.02},
-            # Gemma 2's pairs: a local layer masking its cache by the window of 4, then a global one.
+            # Gemma 2: local layers masking their cache by the window of 4, in turn with global ones.
             "gemma2": {"model.family": "gemma2", "model.kv_heads": 2, "model.sliding_window": 4,
                        "model.global_every": 2, "model.attention_softcap": 0.02, "model.attention_scale_width": 8},
+            # Gemma 3's pattern in small: only the second of 3 layers global, its query/key norms and two rotary bases.
+            "gemma3": {"model.family": "gemma3", "model.kv_heads": 2, "model.sliding_window": 4, "model.num_layers": 3,
+                       "model.global_every": 2, "model.local_rope_theta": 100.0},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},

@@ -44,13 +44,19 @@ BAD = [
       "optimizer.name": "muon", "optimizer.muon_iteration": "gathered"},
      r"optimizer.muon_iteration=gathered gathers each matrix split over pipeline by layer"),
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
-    ({"model.global_every": 3, "model.sliding_window": 4}, r"model.global_every=3 does not divide model.num_layers=2"),
+    ({"model.global_every": 3, "model.sliding_window": 4}, r"model.global_every=3 must be between 1 and "
+                                                            r"model.num_layers=2: every k-th layer is global"),
+    ({"model.local_rope_theta": 100.0}, r"model.local_rope_theta=100.0 is the local layers' rotary base, but "
+                                        r"model.global_every=0 makes no layer global"),
+    ({"model.global_every": 2, "model.sliding_window": 4, "model.local_rope_theta": 100.0},
+     r"model.local_rope_theta=100.0 must be a positive rotary base for a family with rotary positions"),
     ({"model.global_every": 2}, r"model.global_every=2 makes the other layers attend within model.sliding_window, "
      r"which is 0"),
     ({"model.global_every": 2, "model.sliding_window": 4, "moe.experts": 4},
      r"model.global_every=2 and moe.experts=4: layers that alternate windows and experts are not built"),
     ({"model.attention_scale_width": -1}, r"model.attention_scale_width=-1 must be at least 0"),
-    ({"model.family": "gpt3"}, r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2\."),
+    ({"model.family": "gpt3"},
+     r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2, gemma3\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
     ({"model.family": "llama", "model.rope_type": "longrope"}, r"model.rope_type='longrope' is unknown; use one of "
      r"default, linear, llama3, yarn, dynamic\."),
@@ -66,7 +72,7 @@ BAD = [
      r"model.rope_type='llama3' needs rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
      r"rope_high_freq_factor; they are 0, 1.0 and 4.0"),
     ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
-     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3, 1e-06 for olmoe, 1e-06 for gemma2\)"),
+     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3, 1e-06 for olmoe, 1e-06 for gemma2, 1e-06 for gemma3\)"),
     ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
      r"model.vocab_size=256"),
     ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),
