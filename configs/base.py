@@ -103,7 +103,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.head_width = 0  # each attention head's width; 0 = embed_dim // num_heads (Qwen3 sets 128)
   c.model.rope_theta = 10000.0  # llama: rotary base
   # llama: rotary frequencies rescaled for a longer context, as Llama 3.1's checkpoints set them
-  # (model/llama.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3 | yarn | dynamic
+  # (model/rotary.py rotary_frequencies): default | linear (every frequency / rope_factor) | llama3 | yarn | dynamic
   c.model.rope_type = "default"
   c.model.rope_factor = 1.0
   c.model.rope_low_freq_factor = 1.0
@@ -125,6 +125,15 @@ def base() -> ml_collections.ConfigDict:
   c.moe.dropless = False  # True: no drops; grouped matmuls (ragged_dot), or T slots under mesh.expert
   c.moe.balance_weight = 0.01  # alpha in alpha * E * sum_i f_i P_i (Switch Transformer)
   c.moe.z_weight = 0.001  # router z-loss: mean squared log-sum-exp of the router logits (ST-MoE)
+
+  # multi-head latent attention (model/mla.py; DeepSeek-V2/V3) where kv_rank > 0: keys and values from a latent
+  # kv_rank wide (the KV cache keeps it and the rotary key only), a rotary key of rope_dim shared by the heads
+  # (model.head_width = the no-position part + rope_dim), values v_dim wide, queries through a q_rank latent
+  c.mla = ml_collections.ConfigDict()
+  c.mla.kv_rank = 0  # 0: ordinary (grouped-query) attention
+  c.mla.q_rank = 0  # 0: queries projected from the input directly (DeepSeek-V2-Lite)
+  c.mla.rope_dim = 0
+  c.mla.v_dim = 0
 
   c.attention = ml_collections.ConfigDict()
   c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses

@@ -160,6 +160,25 @@ def gemma_tensors(cfg: ModelConfig, tied: bool) -> dict:
   return table
 
 
+def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
+  """Llama's tensors with DeepSeek's latent attention (model/mla.py), whose weights it lays out as these are."""
+  layer = "model.layers.{layer}."
+  attn, c, r = layer + "self_attn.", cfg.mla_kv_rank, cfg.mla_rope_dim
+  d, n, h, q, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_v_dim
+  table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items() if path[:2] != ("blocks", "attn")}
+  table.update({
+      ("blocks", "attn", "q_kernel"): Tensor(attn + ("q_b_proj.weight" if q else "q_proj.weight"), ((n, h), (q or d,)),
+                                             (2, 0, 1)),
+      ("blocks", "attn", "kv_down_kernel"): Tensor(attn + "kv_a_proj_with_mqa.weight", ((c + r,), (d,)), (1, 0)),
+      ("blocks", "attn", "kv_norm", "scale"): _same(attn + "kv_a_layernorm.weight", c),
+      ("blocks", "attn", "kv_up_kernel"): Tensor(attn + "kv_b_proj.weight", ((n, h - r + v), (c,)), (2, 0, 1)),
+      ("blocks", "attn", "out_kernel"): Tensor(attn + "o_proj.weight", ((d,), (n, v)), (1, 2, 0)),
+      **({("blocks", "attn", "q_down_kernel"): Tensor(attn + "q_a_proj.weight", ((q,), (d,)), (1, 0)),
+          ("blocks", "attn", "q_norm", "scale"): _same(attn + "q_a_layernorm.weight", q)} if q else {}),
+  })
+  return table
+
+
 def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
   d, n, k, h, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
                       cfg.vocab_size)
@@ -209,6 +228,9 @@ def mapping_of(cfg: ModelConfig) -> "FamilyMapping":
     set_here = ", ".join(f"{name}={value}" for name, value in gemma_like.items() if value)
     raise ValueError(f"{set_here}: meshlm's {cfg.family} exports to an architecture that computes none of these; "
                      "export a gemma2 or gemma3 model, or one trained without them.")
+  if bool(cfg.mla_kv_rank) != (cfg.family == "deepseek3"):
+    raise ValueError(f"mla.kv_rank={cfg.mla_kv_rank} with model.family={cfg.family!r}: latent attention exports as "
+                     "DeepseekV3ForCausalLM, which has nothing else; export a deepseek3 model with mla.kv_rank > 0.")
   holding = [m for m in MAPPINGS.values() if m.holds(cfg)]
   found = next((m for m in holding if m.family == cfg.family), None)
   if found is None:  # the architectures that hold these settings, or where none does, every one
@@ -257,6 +279,7 @@ _LLAMA_REFUSED = (
     ("mlp_bias", False, "no MLP biases"),
 )
 _NO_SLIDING_WINDOW = ("use_sliding_window", False, "attention over the whole causal context")
+_DEEPSEEK_REFUSED = (*_LLAMA_REFUSED[:2], ("rope_interleave", True, "rotary dimensions in adjacent pairs"))
 _GEMMA_REFUSED = (("hidden_activation", "gelu_pytorch_tanh", "GeGLU with tanh-GELU"), _LLAMA_REFUSED[1])
 # Gemma's layer kinds (config.json's layer_types): local ones in its sliding window, and global ones.
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -268,7 +291,7 @@ _MIXTRAL_REFUSED = (_LLAMA_REFUSED[0], ("router_jitter_noise", 0.0, "a router wi
 # Where a layer's feed-forward is dense or experts: meshlm's import makes every layer experts.
 _EVERY_LAYER_EXPERTS = (("decoder_sparse_step", 1, "every feed-forward layer a mixture of experts"),
                         ("mlp_only_layers", [], "every feed-forward layer a mixture of experts"))
-# transformers' rotary types (rope_type) meshlm computes (model/llama.py rotary_frequencies), and the
+# transformers' rotary types (rope_type) meshlm computes (model/rotary.py rotary_frequencies), and the
 # fields of each it reads into config.model: {transformers' name: meshlm's}.
 ROPE_FIELDS = {
     "default": {},
@@ -381,6 +404,28 @@ def _layer_kinds(layers: int, every: int, windowed: bool) -> list[str]:
   if not every:
     return [LOCAL if windowed else GLOBAL] * layers
   return [LOCAL if (i + 1) % every else GLOBAL for i in range(layers)]
+
+
+def _deepseek_fields(hf: dict, where: str) -> dict:
+  """config.model and config.mla (dotted) fields of DeepSeek-V3 (and V2-Lite's shape in its architecture): Llama's,
+  with the latent attention's ranks and widths; a query/key head is qk_nope_head_dim + qk_rope_head_dim wide."""
+  layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+  if hf.get("n_routed_experts") and dense < layers:
+    raise ValueError(f"{where} routes layers {dense} to {layers - 1} over n_routed_experts={hf['n_routed_experts']} "
+                     "experts (first_k_dense_replace), which meshlm does not build yet; it imports DeepSeek-V3's "
+                     "latent attention with every layer dense (first_k_dense_replace >= num_hidden_layers).")
+  nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+  return {**_llama_fields(hf, where, "deepseek3"), "head_width": nope + rope, "kv_heads": 0,
+          "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0, "mla.rope_dim": rope,
+          "mla.v_dim": hf["v_head_dim"]}
+
+
+def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
+  rope = cfg.mla_rope_dim
+  return {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
+          "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
+          "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
+          "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
 
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
@@ -508,6 +553,8 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
                           tied=lambda hf: bool(hf.get("tie_word_embeddings", True)), tensors=gemma_tensors, capped=True)
       for architecture, model_type, family in (("Gemma2ForCausalLM", "gemma2", "gemma2"),
                                                ("Gemma3ForCausalLM", "gemma3_text", "gemma3"))),
+    dataclasses.replace(_rotary("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek3", _DEEPSEEK_REFUSED,
+                                fields=_deepseek_fields, config=_deepseek_config), tensors=deepseek_tensors),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

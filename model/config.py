@@ -9,7 +9,7 @@ from model.families import FAMILIES, Family
 
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # model/llama.py rotary_frequencies
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # model/rotary.py rotary_frequencies
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
 
@@ -48,7 +48,14 @@ class ModelConfig:
   kv_heads: int = 0  # llama's grouped-query attention; 0 means as many as num_heads
   head_width: int = 0  # each attention head's width; 0 means embed_dim // num_heads (Qwen3 sets its own)
   rope_theta: float = 10000.0
-  # llama: rotary frequencies rescaled for a longer context (model/llama.py rotary_frequencies):
+  # multi-head latent attention (model/mla.py, DeepSeek-V2/V3) where mla_kv_rank > 0: keys and values from a latent
+  # this wide, a rotary key of mla_rope_dim shared by the heads (head_width = no-position part + mla_rope_dim),
+  # values mla_v_dim wide, queries through a latent of mla_q_rank (0: projected directly)
+  mla_kv_rank: int = 0
+  mla_q_rank: int = 0
+  mla_rope_dim: int = 0
+  mla_v_dim: int = 0
+  # llama: rotary frequencies rescaled for a longer context (model/rotary.py rotary_frequencies):
   rope_type: str = "default"  # default | linear | llama3 | yarn | dynamic
   rope_factor: float = 1.0  # linear, llama3, yarn, dynamic: how many times longer the context than in pre-training
   rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided
@@ -194,6 +201,8 @@ class ModelConfig:
                        "scaled by the head width, as usual).")
     if self.mup_base_width:
       self._check_mup()
+    if self.mla_kv_rank or self.mla_q_rank or self.mla_rope_dim or self.mla_v_dim:
+      self._check_mla()
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
@@ -237,6 +246,24 @@ class ModelConfig:
     if self.rope_type == "dynamic" and self.rope_original_max_len <= 0:
       raise ValueError(f"model.rope_type='dynamic' needs rope_original_max_len > 0, the context past which the "
                        f"rotary base grows; it is {self.rope_original_max_len}.")
+
+  def _check_mla(self):
+    rope, v, h = self.mla_rope_dim, self.mla_v_dim, self.head_dim
+    if not (self.mla_kv_rank > 0 and self.mla_q_rank >= 0 and 0 < rope < h and rope % 2 == 0 and 0 < v <= h):
+      raise ValueError(f"mla.kv_rank={self.mla_kv_rank}, mla.q_rank={self.mla_q_rank}, mla.rope_dim={rope} and "
+                       f"mla.v_dim={v} do not describe latent attention with heads {h} wide: kv_rank > 0, q_rank >= 0, "
+                       "an even rope_dim below the head width and 0 < v_dim <= head width (DeepSeek-V3: 512, 1536, 64 "
+                       "and 128 with heads 192 wide).")
+    traits = self.traits
+    if not traits.rotary or traits.qkv_bias or traits.qk_norm:
+      raise ValueError(f"mla.kv_rank={self.mla_kv_rank} with model.family={self.family!r}: latent attention replaces "
+                       "an attention of rotary positions without biases or query/key norms; use llama, gemma2 or "
+                       "deepseek3.")
+    if self.sliding_window or self.attention_scale_width or self.kv_heads not in (0, self.num_heads):
+      raise ValueError(f"mla.kv_rank={self.mla_kv_rank} with model.sliding_window={self.sliding_window}, "
+                       f"model.attention_scale_width={self.attention_scale_width} or model.kv_heads={self.kv_heads}: "
+                       "latent attention has a key and value head per query head, over the whole causal context, "
+                       "scaled by the head width; leave them at 0.")
 
   def _check_mup(self):
     base, width = self.mup_base_width, self.embed_dim

@@ -43,4 +43,6 @@ FAMILIES = {
     "olmoe": dataclasses.replace(_LLAMA, model="olmoe.OLMoE", qk_norm="width"),
     "gemma2": dataclasses.replace(_LLAMA, model="gemma.Gemma", activation="gelu"),
     "gemma3": dataclasses.replace(_LLAMA, model="gemma.Gemma", activation="gelu", qk_norm="head"),
+    # Llama's model; its latent attention and routing are options any family can set (mla.*, moe.*)
+    "deepseek3": _LLAMA,
 }

@@ -24,6 +24,7 @@ from flax import nnx
 from model import llama
 from model.config import ModelConfig
 from model.layers import rms_norm, zeros
+from model.mla import attention_layer
 from model.mlp import Mlp
 from model.placement import constrain
 from model.transformer import ACTIVATION_AXES, embedding_rows, feed_forward
@@ -63,7 +64,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
     del moe  # model/config.py refuses experts with alternating windows, and Gemma has none
     self.norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
-    self.attn = Attention(cfg, rngs)
+    self.attn = attention_layer(cfg, rngs, Attention)
     self.post_norm_attn = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = Mlp(cfg, rngs)

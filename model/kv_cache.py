@@ -36,9 +36,12 @@ def cache_length(cfg: ModelConfig) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch: int) -> dict:
-  """Empty keys and values for `batch` sequences of up to max_len tokens, per layer."""
-  shape_UlBSKH = (cfg.num_units, cfg.layers_per_unit, batch, cache_length(cfg), cfg.num_kv_heads, cfg.head_dim)
-  return {"k": jnp.zeros(shape_UlBSKH, cfg.dtype), "v": jnp.zeros(shape_UlBSKH, cfg.dtype)}
+  """Empty keys and values for `batch` sequences of up to max_len tokens, per layer; under multi-head latent
+  attention (model/mla.py) each token's latent in "k" and its rotary key in "v", one shared "head" each."""
+  per_layer = (cfg.num_units, cfg.layers_per_unit, batch, cache_length(cfg))
+  k_shape, v_shape = (((1, cfg.mla_kv_rank), (1, cfg.mla_rope_dim)) if cfg.mla_kv_rank else
+                      ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)))
+  return {"k": jnp.zeros(per_layer + k_shape, cfg.dtype), "v": jnp.zeros(per_layer + v_shape, cfg.dtype)}
 
 
 class LayerCache:
@@ -60,12 +63,16 @@ class LayerCache:
     slots = self.k_BSKH.shape[1]
     if window and slots == window and global_layer is None:
       return self._attend_rolling(q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block, window, softcap)
-    write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
-        cache, new.astype(cache.dtype), positions_T[0], axis=1), CACHE_AXES)
-    self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
+    self.write(positions_T, new_k_BTKH, new_v_BTKH)
     attend = lambda window: blockwise_attention(q_BTNH, self.k_BSKH, self.v_BSKH, positions_T, jnp.arange(slots),
                                                 block, window=window, softcap=softcap)[0]
     return per_layer_window(attend, window, global_layer)
+
+  def write(self, positions_T, new_k_BTKH, new_v_BTKH, axes=CACHE_AXES):
+    """Write new keys and values (or what stands for them: model/mla.py's latents) at contiguous `positions_T`."""
+    write = lambda cache, new: constrain(jax.lax.dynamic_update_slice_in_dim(
+        cache, new.astype(cache.dtype), positions_T[0], axis=1), axes)
+    self.k_BSKH, self.v_BSKH = write(self.k_BSKH, new_k_BTKH), write(self.v_BSKH, new_v_BTKH)
 
   def _attend_rolling(self, q_BTNH, new_k_BTKH, new_v_BTKH, positions_T, block: int, window: int, softcap: float):
     start = positions_T[0]

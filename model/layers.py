@@ -73,6 +73,17 @@ class LayerNorm(nnx.Module):
     return layer_norm(x_BTD, self.scale[...], self.bias[...], self.eps)
 
 
+class RMSNorm(nnx.Module):
+  """Root-mean-square normalisation over the last axis (`axis`, its logical name), in float32."""
+
+  def __init__(self, dim: int, eps: float = 1e-6, axis: str = "embed"):
+    self.scale = ones((dim,), (axis,))
+    self.eps = eps
+
+  def __call__(self, x_BTD):
+    return rms_norm(x_BTD, self.scale[...], self.eps)
+
+
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
   """(x - mean) / sqrt(var + eps) * scale + bias over x's last scale.ndim axes, in float32, returned in x's dtype."""
   return _norm(x, scale, bias, eps)

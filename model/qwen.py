@@ -11,7 +11,7 @@ from flax import nnx
 
 from model import llama
 from model.config import ModelConfig
-from model.layers import zeros
+from model.layers import RMSNorm, zeros
 
 
 class Attention(llama.Attention):
@@ -25,8 +25,8 @@ class Attention(llama.Attention):
       self.k_bias = zeros((k, h), ("kv_heads", "head_dim"))
       self.v_bias = zeros((k, h), ("kv_heads", "head_dim"))
     if cfg.traits.qk_norm == "head":
-      self.q_norm = llama.RMSNorm(h, cfg.epsilon, axis="head_dim")
-      self.k_norm = llama.RMSNorm(h, cfg.epsilon, axis="head_dim")
+      self.q_norm = RMSNorm(h, cfg.epsilon, axis="head_dim")
+      self.k_norm = RMSNorm(h, cfg.epsilon, axis="head_dim")
 
   def project(self, x_BTD):
     q_BTNH, k_BTKH, v_BTKH = super().project(x_BTD)

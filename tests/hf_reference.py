@@ -4,7 +4,8 @@
 
 JOBS.json is a list of jobs, run in order in one process (torch and
 transformers take seconds to import, so the tests batch their questions):
-  {"make": "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral" | "mixtral" | "qwen3_moe" | "qwen2_moe" | "olmoe" | "gemma2" | "gemma3", "dir": D, "config": {...}, "seed": S, "save": {...}}
+  {"make": "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral" | "mixtral" | "qwen3_moe" | "qwen2_moe" | "olmoe"
+           | "gemma2" | "gemma3" | "deepseek_v3", "dir": D, "config": {...}, "seed": S, "save": {...}}
       a model with every weight random (norms and biases too), save_pretrained(D, **save)
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
@@ -34,7 +35,8 @@ CLASSES = {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
            "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
-           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}
 
 
 def load(directory):

@@ -85,6 +85,15 @@ MODELS = {
                                                                   "rope_theta": 10000.0},
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
                {}),
+    # DeepSeek-V3's latent attention with every layer dense: queries through a rank-12 latent, keys and values from a
+    # rank-16 one, 8 rotary dimensions in adjacent pairs beside 16 without, values 20 wide; and V2-Lite's queries
+    # projected directly.
+    "deepseek3": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2, num_mtp_layers=0,
+                                      q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                      v_head_dim=20, rope_theta=500.0), {}),
+    "deepseek3_direct_queries": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2,
+                                                     num_mtp_layers=0, q_lora_rank=None, kv_lora_rank=16,
+                                                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), {}),
     # Dynamic NTK scaling past a context of 8 positions: the 16 tokens raise the rotary base 6.3-fold.
     "llama_dynamic": ("llama", dict(LLAMA_SHAPE, rope_theta=500.0, max_position_embeddings=8, rope_scaling={
         "rope_type": "dynamic", "factor": 4.0}), {}),
@@ -97,7 +106,8 @@ FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 
             "qwen2_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "gemma2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
-            "gemma3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
+            "gemma3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
+            "deepseek3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 

@@ -25,15 +25,16 @@ from training.optimizer import make_optimizer
 
 
 def model_config(config) -> ModelConfig:
-  """The frozen model description the model sees: every field of `config.model`, the compute dtype and the
-  experts' settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
+  """The frozen model description the model sees: every field of `config.model`, the compute dtype, the
+  experts' and latent attention's settings (tests/test_model_init.py holds config.model's fields to ModelConfig's)."""
   model, moe = config.model, config.moe
   fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(model, f.name)}
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
                      moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_shared_width=moe.shared_width,
                      moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight,
-                     mup_base_width=config.mup.base_width)
+                     mup_base_width=config.mup.base_width, mla_kv_rank=config.mla.kv_rank,
+                     mla_q_rank=config.mla.q_rank, mla_rope_dim=config.mla.rope_dim, mla_v_dim=config.mla.v_dim)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
