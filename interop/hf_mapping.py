@@ -165,7 +165,8 @@ def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
   layer = "model.layers.{layer}."
   attn, c, r = layer + "self_attn.", cfg.mla_kv_rank, cfg.mla_rope_dim
   d, n, h, q, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_v_dim
-  table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items() if path[:2] != ("blocks", "attn")}
+  table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items()
+           if path[:2] != ("blocks", "attn")}
   table.update({
       ("blocks", "attn", "q_kernel"): Tensor(attn + ("q_b_proj.weight" if q else "q_proj.weight"), ((n, h), (q or d,)),
                                              (2, 0, 1)),

@@ -132,16 +132,22 @@ def _tensor_parallel(run, mesh, traffic):
   layers = stage_layers(run, mesh)
   tokens = all_reduce(d.activation_bytes(d.embed), t)
   per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
-  if run.model.num_experts:
+  m = run.model
+  # Latent attention (model/mla.py) projects its input to latents on every device (replicated weights): the
+  # heads' partial gradients are summed where they meet, at the latents (q_rank, or the input where the queries
+  # have none, and kv_rank + rope_dim wide), not at the input.
+  latents = all_reduce(d.activation_bytes((m.mla_q_rank or d.embed) + m.mla_kv_rank + m.mla_rope_dim), t)
+  backward_stage = per_stage + layers * (latents - tokens) if m.mla_kv_rank else per_stage
+  if m.num_experts:
     # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
-    m = run.model
     capacity = expert_slots(m, d.full_length)
     slots = all_reduce(m.num_experts * d.batch * capacity * d.embed * d.compute_bytes, t)
     per_stage += layers // m.moe_every * (slots - tokens)
+    backward_stage += layers // m.moe_every * (slots - tokens)
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(run, mesh[PIPELINE])
-  traffic[("all-reduce", TENSOR)] += (forward + backward) * per_stage + micro * all_reduce(outside, t)
+  traffic[("all-reduce", TENSOR)] += forward * per_stage + backward * backward_stage + micro * all_reduce(outside, t)
 
 
 def _pipeline(run, mesh, traffic):

@@ -3,7 +3,8 @@
 A hidden matrix is a kernel of the blocks whose `embed` axis comes first (its
 input: q, k, v, GPT-2's QKV, MLP up and gate) or last (its output: the
 attention output, MLP down) among its matrix axes, the other matrix axes being
-the other side; both sides grow with the width. `layers`, `expert` and unnamed
+the other side; both sides grow with the width. A `latent` axis (latent attention's
+compressed queries and keys, model/mla.py) counts as `embed` does. `layers`, `expert` and unnamed
 axes (GPT-2's q/k/v) are batch axes: each layer, expert and projection is a
 matrix of its own. A kernel with one side only (Qwen2-MoE's shared-expert gate,
 embed -> 1) is a gate, not a matrix. Muon orthogonalises the hidden matrices
@@ -14,6 +15,7 @@ embed -> 1) is a gate, not a matrix. Muon orthogonalises the hidden matrices
 import jax
 
 BATCH_AXES = ("layers", "expert", None)  # axes along which a kernel holds separate matrices
+WIDTH_AXES = ("embed", "latent")  # the axes that mark a matrix's input (first) or output (last) side
 
 
 def matrix_sides(path, axes) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -23,12 +25,12 @@ def matrix_sides(path, axes) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return None
   matrix = [i for i, name in enumerate(axes) if name not in BATCH_AXES]
   names = [axes[i] for i in matrix]
-  if names[:1] == ["embed"]:
+  if names[0] in WIDTH_AXES:
     sides = (tuple(matrix[:1]), tuple(matrix[1:]))
-  elif names[-1:] == ["embed"]:
+  elif names[-1] in WIDTH_AXES:
     sides = (tuple(matrix[:-1]), tuple(matrix[-1:]))
   else:
     raise ValueError(f"Kernel {jax.tree_util.keystr(path)} (logical axes {tuple(axes)}) has no input and output "
-                     "side that Muon and muP can tell: they read them off its `embed` axis, first or last among its "
-                     "matrix axes; name its axes so.")
+                     "side that Muon and muP can tell: they read them off its `embed` (or `latent`) axis, first or "
+                     "last among its matrix axes; name its axes so.")
   return sides if all(sides) else None  # one side only: a gate (embed -> 1), not a matrix

@@ -38,12 +38,13 @@ class LatentAttention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, h, r, c, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mla_rope_dim, cfg.mla_kv_rank, cfg.mla_v_dim
     if cfg.mla_q_rank:
-      self.q_down_kernel = param(rngs, (d, cfg.mla_q_rank), ("embed", None))
-      self.q_norm = RMSNorm(cfg.mla_q_rank, cfg.epsilon, axis=None)
-    self.q_kernel = param(rngs, (cfg.mla_q_rank or d, n, h), (None if cfg.mla_q_rank else "embed", "heads", "head_dim"))
-    self.kv_down_kernel = param(rngs, (d, c + r), ("embed", None))
-    self.kv_norm = RMSNorm(c, cfg.epsilon, axis=None)
-    self.kv_up_kernel = param(rngs, (c, n, h - r + v), (None, "heads", "head_dim"))
+      self.q_down_kernel = param(rngs, (d, cfg.mla_q_rank), ("embed", "latent"))
+      self.q_norm = RMSNorm(cfg.mla_q_rank, cfg.epsilon, axis="latent")
+    q_input = "latent" if cfg.mla_q_rank else "embed"
+    self.q_kernel = param(rngs, (cfg.mla_q_rank or d, n, h), (q_input, "heads", "head_dim"))
+    self.kv_down_kernel = param(rngs, (d, c + r), ("embed", "latent"))
+    self.kv_norm = RMSNorm(c, cfg.epsilon, axis="latent")
+    self.kv_up_kernel = param(rngs, (c, n, h - r + v), ("latent", "heads", "head_dim"))
     self.out_kernel = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
     self.cfg = cfg
 

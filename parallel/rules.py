@@ -25,6 +25,7 @@ ACTIVATION_RULES = (
     ("expert", EXPERT),
     ("embed", None),
     ("head_dim", None),
+    ("latent", None),  # latent attention's compressed queries and keys (model/mla.py)
 )
 
 BATCH_AXES = dict(ACTIVATION_RULES)["batch"]  # the mesh axes that split a batch's rows, for shard_map specs
@@ -45,8 +46,9 @@ def fsdp_axis(sharding_config) -> str:
   return EXPERT if sharding_config.fsdp_group else DATA
 
 def weight_rules(zero: int, axis: str = DATA) -> tuple:
-  """ZeRO-3 (FSDP) shards every weight's `embed` axis over `axis`; below that it is replicated."""
-  return _WEIGHT_RULES + (("embed", axis if zero == 3 else None),)
+  """ZeRO-3 (FSDP) shards every weight's `embed` axis over `axis`, or its `latent` one where it has no `embed`
+  (latent attention's up-projections); below that they are replicated."""
+  return _WEIGHT_RULES + (("embed", axis if zero == 3 else None), ("latent", axis if zero == 3 else None))
 
 def optimizer_rules(zero: int, axis: str = DATA) -> tuple:
   """ZeRO-1 and ZeRO-3 keep Adam's moments in the FSDP layout; ZeRO-0 mirrors the weights."""

@@ -46,10 +46,12 @@ def test_a_family_added_by_one_registry_line_builds_and_is_listed(monkeypatch):
     model = build_model(ModelConfig(family="geglu", **SHAPE, num_experts=4), seed=0)
   logits = model.predict(jnp.zeros((1, 8), jnp.int32))
   assert logits.shape[:2] == (1, 8) and np.isfinite(np.asarray(logits)).all()
-  with pytest.raises(ValueError, match=r"unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2, gemma3, geglu\.$"):
+  with pytest.raises(ValueError,
+                     match=r"unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2, gemma3, deepseek3, geglu\.$"):
     ModelConfig(family="gemma9", **SHAPE)
   with pytest.raises(ValueError,
-                     match=r"does not have; use 0, or one of llama, qwen2, qwen3, olmoe, gemma2, gemma3, geglu\.$"):
+                     match=r"does not have; use 0, or one of llama, qwen2, qwen3, olmoe, gemma2, gemma3, deepseek3, "
+                           r"geglu\.$"):
     ModelConfig(family="gpt2", **SHAPE, num_experts=4, moe_shared_width=8)
 
 

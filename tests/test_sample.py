@@ -32,6 +32,11 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             # Gemma 3's pattern in small: only the second of 3 layers global, its query/key norms and two rotary bases.
             "gemma3": {"model.family": "gemma3", "model.kv_heads": 2, "model.sliding_window": 4, "model.num_layers": 3,
                        "model.global_every": 2, "model.local_rope_theta": 100.0},
+            # Latent attention: the cache holds each token's latent and rotary key, expanded at every step.
+            "latent attention": {"model.family": "llama", "model.head_width": 24, "mla.kv_rank": 16, "mla.q_rank": 12,
+                                 "mla.rope_dim": 8, "mla.v_dim": 16},
+            "latent attention tensor=2": {"model.family": "llama", "model.head_width": 24, "mla.kv_rank": 16,
+                                          "mla.rope_dim": 8, "mla.v_dim": 16, "mesh.tensor": 2},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},

@@ -55,8 +55,16 @@ BAD = [
     ({"model.global_every": 2, "model.sliding_window": 4, "moe.experts": 4},
      r"model.global_every=2 and moe.experts=4: layers that alternate windows and experts are not built"),
     ({"model.attention_scale_width": -1}, r"model.attention_scale_width=-1 must be at least 0"),
+    ({"model.family": "llama", "mla.kv_rank": 16, "mla.rope_dim": 5, "mla.v_dim": 8},
+     r"mla.kv_rank=16, mla.q_rank=0, mla.rope_dim=5 and mla.v_dim=8 do not describe latent attention with heads 16"),
+    ({"mla.kv_rank": 16, "mla.rope_dim": 4, "mla.v_dim": 8},
+     r"mla.kv_rank=16 with model.family='gpt2': latent attention replaces an attention of rotary positions"),
+    ({"model.family": "llama", "mla.kv_rank": 16, "mla.rope_dim": 4, "mla.v_dim": 8, "model.sliding_window": 4},
+     r"mla.kv_rank=16 with model.sliding_window=4, model.attention_scale_width=0 or model.kv_heads=0: latent"),
+    ({"model.family": "llama", "mla.kv_rank": 12, "mla.rope_dim": 4, "mla.v_dim": 8, "sharding.zero": 3,
+      "mesh.data": 8}, r"mla.kv_rank=12 is not divisible by mesh.data \(FSDP shards the latent axis\)=8"),
     ({"model.family": "gpt3"},
-     r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2, gemma3\."),
+     r"model.family='gpt3' is unknown; use one of gpt2, llama, qwen2, qwen3, olmoe, gemma2, gemma3, deepseek3\."),
     ({"model.family": "llama", "model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be a finite number > 0"),
     ({"model.family": "llama", "model.rope_type": "longrope"}, r"model.rope_type='longrope' is unknown; use one of "
      r"default, linear, llama3, yarn, dynamic\."),
@@ -72,7 +80,8 @@ BAD = [
      r"model.rope_type='llama3' needs rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
      r"rope_high_freq_factor; they are 0, 1.0 and 4.0"),
     ({"model.norm_eps": -1.0}, r"model.norm_eps=-1.0 must be a finite number >= 0 \(0: the family's own, "
-     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3, 1e-06 for olmoe, 1e-06 for gemma2, 1e-06 for gemma3\)"),
+     r"1e-05 for gpt2, 1e-06 for llama, 1e-06 for qwen2, 1e-06 for qwen3, 1e-06 for olmoe, 1e-06 for gemma2, "
+     r"1e-06 for gemma3, 1e-06 for deepseek3\)"),
     ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
      r"model.vocab_size=256"),
     ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),
