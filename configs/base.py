@@ -125,6 +125,16 @@ def base() -> ml_collections.ConfigDict:
   c.moe.dropless = False  # True: no drops; grouped matmuls (ragged_dot), or T slots under mesh.expert
   c.moe.balance_weight = 0.01  # alpha in alpha * E * sum_i f_i P_i (Switch Transformer)
   c.moe.z_weight = 0.001  # router z-loss: mean squared log-sum-exp of the router logits (ST-MoE)
+  # DeepSeek-V3's routing (model/moe.py route):
+  c.moe.score = "softmax"  # softmax: one distribution over the experts | sigmoid: each expert scored apart
+  c.moe.groups = 1  # experts in this many equal groups; a token chooses within its group_top_k best (1: no groups)
+  c.moe.group_top_k = 1
+  c.moe.scale = 1.0  # the routed experts' combined output times this (DeepSeek-V3: 2.5)
+  c.moe.shared_gate = True  # the shared expert behind a learned sigmoid gate (Qwen2-MoE); False: added as is
+  # a per-expert bias added to the scores for the choice only (DeepSeek-V3's e_score_correction_bias), moved after
+  # each step by bias_rate against its expert's load error: balance without an auxiliary loss (0: left as it is)
+  c.moe.router_bias = False
+  c.moe.bias_rate = 0.0
 
   # multi-head latent attention (model/mla.py; DeepSeek-V2/V3) where kv_rank > 0: keys and values from a latent
   # kv_rank wide (the KV cache keeps it and the rotary key only), a rotary key of rope_dim shared by the heads

@@ -105,6 +105,9 @@ MIXTRAL_EXPERTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{ex
                    "block_sparse_moe.experts.{expert}.w3.weight", "block_sparse_moe.experts.{expert}.w2.weight")
 QWEN_MOE_EXPERTS = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight",
                     "mlp.experts.{expert}.down_proj.weight")
+# DeepSeek's shared experts, as one of n_shared_experts x moe_intermediate_size (gate, up, down), without a gate.
+DEEPSEEK_SHARED_EXPERT = ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                          "mlp.shared_experts.down_proj.weight")
 # Qwen2-MoE's shared expert (gate, up, down) and its sigmoid gate (1, width).
 QWEN_SHARED_EXPERT = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                       "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight")
@@ -112,7 +115,12 @@ QWEN_SHARED_EXPERT = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.u
 
 def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None, shared: tuple | None = None) -> dict:
   """The rotary families' tensors; with `experts` (an architecture's names), the feed-forward layers' experts,
-  and with `shared`, their shared expert."""
+  and with `shared`, their shared expert (gate, up and down, and its sigmoid gate where it has one)."""
+  return in_units(cfg, _llama_table(cfg, tied, experts, shared))
+
+
+def _llama_table(cfg: ModelConfig, tied: bool, experts: tuple | None, shared: tuple | None) -> dict:
+  """llama_tensors before in_units: each block weight as one block's."""
   d, f = cfg.embed_dim, cfg.mlp_dim
   layer = "model.layers.{layer}."
   table = _llama_dense_tensors(cfg, tied, layer)
@@ -127,14 +135,14 @@ def llama_tensors(cfg: ModelConfig, tied: bool, experts: tuple | None = None, sh
       ("blocks", "mlp", "down_kernel"): Tensor(down, ((d,), (f,)), (1, 0), per_expert=True),
   })
   if shared is not None:
-    fs, (gate, up, down, shared_gate) = cfg.moe_shared_width, (layer + name for name in shared)
+    fs, (gate, up, down, *shared_gate) = cfg.moe_shared_width, (layer + name for name in shared)
     table.update({
         ("blocks", "mlp", "shared", "gate_kernel"): Tensor(gate, ((fs,), (d,)), (1, 0)),
         ("blocks", "mlp", "shared", "up_kernel"): Tensor(up, ((fs,), (d,)), (1, 0)),
         ("blocks", "mlp", "shared", "down_kernel"): Tensor(down, ((d,), (fs,)), (1, 0)),
-        ("blocks", "mlp", "shared_gate_kernel"): Tensor(shared_gate, ((1,), (d,)), (1, 0)),
+        **{("blocks", "mlp", "shared_gate_kernel"): Tensor(name, ((1,), (d,)), (1, 0)) for name in shared_gate},
     })
-  return in_units(cfg, table)
+  return table
 
 
 def in_units(cfg: ModelConfig, table: dict) -> dict:
@@ -161,12 +169,16 @@ def gemma_tensors(cfg: ModelConfig, tied: bool) -> dict:
 
 
 def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
-  """Llama's tensors with DeepSeek's latent attention (model/mla.py), whose weights it lays out as these are."""
+  """Llama's tensors with DeepSeek's latent attention (model/mla.py), whose weights it lays out as these are, and
+  its experts: Qwen-MoE's names, an ungated shared expert and the router's selection bias."""
   layer = "model.layers.{layer}."
   attn, c, r = layer + "self_attn.", cfg.mla_kv_rank, cfg.mla_rope_dim
   d, n, h, q, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_v_dim
-  table = {path: tensor for path, tensor in _llama_dense_tensors(cfg, tied, layer).items()
-           if path[:2] != ("blocks", "attn")}
+  experts = QWEN_MOE_EXPERTS if cfg.num_experts else None
+  table = {path: tensor for path, tensor in _llama_table(cfg, tied, experts, DEEPSEEK_SHARED_EXPERT if experts else None
+                                                         ).items() if path[:2] != ("blocks", "attn")}
+  if experts:
+    table[("blocks", "mlp", "router_bias")] = _same(layer + "mlp.gate.e_score_correction_bias", cfg.num_experts)
   table.update({
       ("blocks", "attn", "q_kernel"): Tensor(attn + ("q_b_proj.weight" if q else "q_proj.weight"), ((n, h), (q or d,)),
                                              (2, 0, 1)),
@@ -177,7 +189,7 @@ def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
       **({("blocks", "attn", "q_down_kernel"): Tensor(attn + "q_a_proj.weight", ((q,), (d,)), (1, 0)),
           ("blocks", "attn", "q_norm", "scale"): _same(attn + "q_a_layernorm.weight", q)} if q else {}),
   })
-  return table
+  return in_units(cfg, table)
 
 
 def _llama_dense_tensors(cfg: ModelConfig, tied: bool, layer: str) -> dict:
@@ -408,25 +420,51 @@ def _layer_kinds(layers: int, every: int, windowed: bool) -> list[str]:
 
 
 def _deepseek_fields(hf: dict, where: str) -> dict:
-  """config.model and config.mla (dotted) fields of DeepSeek-V3 (and V2-Lite's shape in its architecture): Llama's,
-  with the latent attention's ranks and widths; a query/key head is qk_nope_head_dim + qk_rope_head_dim wide."""
+  """config.model, config.mla and config.moe (dotted) fields of DeepSeek-V3 (and V2-Lite's shape in its
+  architecture): Llama's, with the latent attention's ranks and widths (a query/key head is qk_nope_head_dim +
+  qk_rope_head_dim wide) and, where its layers route, DeepSeek's routing over every layer."""
   layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
-  if hf.get("n_routed_experts") and dense < layers:
-    raise ValueError(f"{where} routes layers {dense} to {layers - 1} over n_routed_experts={hf['n_routed_experts']} "
-                     "experts (first_k_dense_replace), which meshlm does not build yet; it imports DeepSeek-V3's "
-                     "latent attention with every layer dense (first_k_dense_replace >= num_hidden_layers).")
+  routed = bool(hf.get("n_routed_experts")) and dense < layers
+  if routed and dense:
+    raise ValueError(f"{where} keeps its first {dense} layers dense (first_k_dense_replace) and routes the rest; "
+                     "meshlm's scanned layers are all alike, so it imports DeepSeek-V3 with every layer dense or "
+                     "every layer routed (first_k_dense_replace 0).")
   nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
-  return {**_llama_fields(hf, where, "deepseek3"), "head_width": nope + rope, "kv_heads": 0,
-          "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0, "mla.rope_dim": rope,
-          "mla.v_dim": hf["v_head_dim"]}
+  fields = {**_llama_fields(hf, where, "deepseek3"), "head_width": nope + rope, "kv_heads": 0,
+            "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0, "mla.rope_dim": rope,
+            "mla.v_dim": hf["v_head_dim"]}
+  if not routed:
+    return fields
+  width = hf["moe_intermediate_size"]
+  return {**fields, "mlp_dim": width, "moe.experts": hf["n_routed_experts"], "moe.top_k": hf["num_experts_per_tok"],
+          "moe.every": 1, "moe.dropless": True, "moe.renormalize": bool(hf.get("norm_topk_prob", True)),
+          "moe.shared_width": width * hf.get("n_shared_experts", 1), "moe.shared_gate": False,
+          "moe.score": "sigmoid", "moe.groups": hf.get("n_group") or 1, "moe.group_top_k": hf.get("topk_group") or 1,
+          "moe.scale": float(hf.get("routed_scaling_factor", 1.0)), "moe.router_bias": True}
 
 
 def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   rope = cfg.mla_rope_dim
-  return {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
-          "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
-          "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
-          "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
+  config = {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
+            "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
+            "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
+  if not cfg.num_experts:
+    return config
+  routing = {"moe.score": (cfg.moe_score, "sigmoid"), "moe.shared_gate": (cfg.moe_shared_gate, False),
+             "moe.router_bias": (cfg.moe_router_bias, True)}
+  if unlike := [f"{name}={ours} (DeepSeek-V3: {theirs})" for name, (ours, theirs) in routing.items() if ours != theirs]:
+    raise ValueError(f"{', '.join(unlike)}: DeepseekV3ForCausalLM routes by sigmoid scores with a selection bias, "
+                     "beside ungated shared experts; export a model trained so.")
+  if not cfg.moe_shared_width or cfg.moe_shared_width % cfg.mlp_dim:
+    raise ValueError(f"moe.shared_width={cfg.moe_shared_width}: DeepseekV3ForCausalLM's shared experts are "
+                     f"n_shared_experts >= 1 experts of the routed ones' width, model.mlp_dim={cfg.mlp_dim}; export a "
+                     "model whose shared width is a multiple of it.")
+  return {**config, "first_k_dense_replace": 0, "n_routed_experts": cfg.num_experts,
+          "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.mlp_dim,
+          "n_shared_experts": cfg.moe_shared_width // cfg.mlp_dim, "n_group": cfg.moe_groups,
+          "topk_group": cfg.moe_group_top_k, "routed_scaling_factor": cfg.moe_scale,
+          "norm_topk_prob": cfg.moe_renormalize}
 
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
@@ -497,8 +535,8 @@ class FamilyMapping:
   architecture: str  # config.json's `architectures` entry
   model_type: str  # config.json's `model_type`
   family: str  # meshlm's model.family, registered in model/families.py (tests/test_families.py holds the two alike)
-  experts: bool  # whether its feed-forward layers are mixtures of experts (moe.experts > 0)
-  shared: bool  # whether its experts have a shared one beside them (moe.shared_width > 0)
+  experts: bool | None  # whether its feed-forward layers are mixtures of experts (moe.experts > 0); None: either
+  shared: bool | None  # whether its experts have a shared one beside them (moe.shared_width > 0); None: either
   windowed: bool  # whether its attention may slide a window (config.json's sliding_window: model.sliding_window)
   refused: tuple  # (field, transformers' default, what meshlm computes instead)
   fields: Callable[[dict, str], dict]  # config.json -> config.model fields (config.moe's as "moe.NAME")
@@ -509,12 +547,14 @@ class FamilyMapping:
 
   def holds(self, cfg: ModelConfig) -> bool:
     """Whether the architecture holds cfg's experts, shared expert and window, whatever cfg's family."""
-    return (self.experts == bool(cfg.num_experts) and self.shared == bool(cfg.moe_shared_width)
+    return (self.experts in (None, bool(cfg.num_experts)) and self.shared in (None, bool(cfg.moe_shared_width))
             and (self.windowed or not cfg.sliding_window))
 
   @property
   def holding(self) -> str:
     """What it holds, in words: experts (and a shared one) or dense, and a window."""
+    if self.experts is None:
+      return "dense, or experts and a shared expert" + ", a window" * self.windowed
     kind = ("experts and a shared expert" if self.shared else "experts") if self.experts else "dense"
     return kind + ", a window" * self.windowed
 
@@ -555,7 +595,8 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
       for architecture, model_type, family in (("Gemma2ForCausalLM", "gemma2", "gemma2"),
                                                ("Gemma3ForCausalLM", "gemma3_text", "gemma3"))),
     dataclasses.replace(_rotary("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek3", _DEEPSEEK_REFUSED,
-                                fields=_deepseek_fields, config=_deepseek_config), tensors=deepseek_tensors),
+                                fields=_deepseek_fields, config=_deepseek_config),
+                        experts=None, shared=None, tensors=deepseek_tensors),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),

@@ -74,6 +74,17 @@ class ModelConfig:
   moe_shared_width: int = 0  # F_s > 0: a shared SwiGLU expert of that width, sigmoid-gated (Qwen2-MoE)
   moe_renormalize: bool = True  # the k chosen experts' weights scaled to sum to one (Mixtral); False: softmax's own
   moe_balance_weight: float = 0.01
+  # DeepSeek-V3's routing (model/moe.py route): experts scored by a sigmoid each rather than one softmax; chosen
+  # within the moe_group_top_k best of moe_groups equal groups; the routed output times moe_scale; a shared
+  # expert added without a gate; a per-expert bias added to the scores for the choice only, moved each step by
+  # moe_bias_rate against its expert's load error (auxiliary-loss-free balancing; training/step.py)
+  moe_score: str = "softmax"
+  moe_groups: int = 1
+  moe_group_top_k: int = 1
+  moe_scale: float = 1.0
+  moe_shared_gate: bool = True
+  moe_router_bias: bool = False
+  moe_bias_rate: float = 0.0
   moe_z_weight: float = 0.001
   mup_base_width: int = 0  # muP's base width (model/mup.py); 0: the standard parametrisation
 
@@ -221,6 +232,24 @@ class ModelConfig:
       raise ValueError(f"model.global_every={self.global_every} and moe.experts={self.num_experts}: layers that "
                        "alternate windows and experts are not built; use one or the other.")
 
+  def _check_deepseek_routing(self):
+    if self.moe_score not in ("softmax", "sigmoid"):
+      raise ValueError(f"moe.score={self.moe_score!r} is unknown; use softmax (one distribution over the experts) "
+                       "or sigmoid (each expert scored apart, DeepSeek-V3).")
+    per_group = self.num_experts // max(self.moe_groups, 1)
+    if (self.moe_groups < 1 or self.num_experts % self.moe_groups or not 1 <= self.moe_group_top_k <= self.moe_groups
+        or self.moe_top_k > self.moe_group_top_k * per_group or (self.moe_groups > 1 and per_group < 2)):
+      raise ValueError(f"moe.groups={self.moe_groups} and moe.group_top_k={self.moe_group_top_k} must split "
+                       f"moe.experts={self.num_experts} into equal groups of at least 2 and keep at least moe.top_k="
+                       f"{self.moe_top_k} experts in the chosen groups (DeepSeek-V3: 8 groups of 32, 4 chosen, 8 "
+                       "experts); 1 and 1 choose over every expert.")
+    if not (math.isfinite(self.moe_scale) and self.moe_scale > 0):
+      raise ValueError(f"moe.scale={self.moe_scale} must be a finite number > 0 (DeepSeek-V3: 2.5; 1: unscaled).")
+    if not (math.isfinite(self.moe_bias_rate) and self.moe_bias_rate >= 0) or (self.moe_bias_rate and
+                                                                               not self.moe_router_bias):
+      raise ValueError(f"moe.bias_rate={self.moe_bias_rate} must be a finite number >= 0, and above 0 only with "
+                       "moe.router_bias=True, the bias it moves (DeepSeek-V3: 0.001).")
+
   def _check_rope(self):
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"model.rope_type={self.rope_type!r} is unknown; use one of {', '.join(ROPE_TYPES)}.")
@@ -296,6 +325,7 @@ class ModelConfig:
       raise ValueError(f"moe.shared_width={self.moe_shared_width}: a shared expert is a gated feed-forward layer of "
                        f"that width (Qwen2-MoE's SwiGLU), which model.family={self.family!r} does not have; use 0, "
                        f"or one of {gated}.")
+    self._check_deepseek_routing()
     if self.moe_every < 1 or self.num_layers % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

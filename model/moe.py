@@ -32,6 +32,8 @@ from model.mlp import Mlp, feed_forward, weight_names
 from model.placement import constrain, current, shard_mean
 
 AUX_LOSS = "moe_aux_loss"  # the weighted balancing and z-losses, added to the training objective
+ROUTER_BIAS = "router_bias"  # MoE's per-expert selection bias (moe.router_bias), which training/step.py moves
+LOADS = "expert_load_by_layer"  # each MoE layer's expert loads, what moves its bias (moe.bias_rate)
 EXPERT_AXES = (None, "batch", None, "embed")  # tokens laid out per expert: (expert, batch, capacity, embed)
 # ragged_dot_general on rows (batch, rows, embed) sorted by expert, one list of group sizes per sequence.
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([2], [1]), ([], [])),
@@ -60,14 +62,29 @@ class Routing(NamedTuple):
   counts_BE: jax.Array  # how many choices each expert got
 
 
-def route(logits_BTE, positions_T, cfg: ModelConfig):
-  """The routing of each group's choices and the router statistics, all from float32 logits."""
+def route(logits_BTE, positions_T, cfg: ModelConfig, bias_E=None):
+  """The routing of each group's choices and the router statistics, all from float32 logits.
+
+  Scores are the softmax of the logits, or (moe.score=sigmoid, DeepSeek-V3) each logit's sigmoid. A token
+  chooses its k experts by score plus `bias_E` (moe.router_bias; the choice only, never the weights), within
+  the moe.group_top_k groups of experts whose two best such scores sum highest (moe.groups). The chosen
+  experts' weights are their scores, renormalised to sum to one if asked, times moe.scale.
+  """
   b, t, e = logits_BTE.shape
   k = cfg.moe_top_k
-  probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-  weights_BTK, experts_BTK = _top_k(probs_BTE, k)
-  if k > 1 and cfg.moe_renormalize:  # the chosen experts' weights sum to one (GShard, Mixtral)
-    weights_BTK = weights_BTK / weights_BTK.sum(-1, keepdims=True)
+  if cfg.moe_score == "sigmoid":
+    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    probs_BTE = scores_BTE / scores_BTE.sum(-1, keepdims=True)  # what the balancing loss reads
+  else:
+    scores_BTE = probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+  choice_BTE = scores_BTE if bias_E is None else scores_BTE + bias_E
+  if cfg.moe_groups > 1:
+    choice_BTE = _in_best_groups(choice_BTE, cfg.moe_groups, cfg.moe_group_top_k)
+  experts_BTK = _top_k(choice_BTE, k)
+  weights_BTK = jnp.take_along_axis(scores_BTE, experts_BTK, axis=-1)
+  if k > 1 and cfg.moe_renormalize:  # the chosen experts' weights sum to one (GShard, Mixtral, DeepSeek-V3)
+    weights_BTK = weights_BTK / (weights_BTK.sum(-1, keepdims=True) + 1e-20)
+  weights_BTK = weights_BTK * cfg.moe_scale
   # Rank by (expert, round, position): positions, not array order, so a reordered sequence (zig-zag
   # ring) drops the same tokens. The sort runs along each group, so `batch` stays sharded.
   position_rank_T = jnp.argsort(jnp.argsort(positions_T))
@@ -85,6 +102,7 @@ def route(logits_BTE, positions_T, cfg: ModelConfig):
       "moe_z_loss": whole(jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))),
       "moe_dropped": 1.0 - whole(jnp.minimum(counts_BE, capacity(cfg, t)).sum() / (b * t * k)),
       "expert_load": fraction_E,  # x k B T gives the token counts; 1/E each when balanced
+      **({LOADS: fraction_E} if cfg.moe_bias_rate else {}),
   }
   return Routing(experts_BTK, weights_BTK, slot_BTK, sorted_BJ, starts_BE, counts_BE), stats
 
@@ -95,16 +113,25 @@ def _per_choice(per_expert_BE, experts_BTK):
   return jnp.take_along_axis(per_expert_BE, experts_BTK.reshape(b, t * k), axis=1).reshape(b, t, k)
 
 
-def _top_k(probs_BTE, k: int):
-  """lax.top_k by k rounds of argmax: XLA partitions a reduction over a sharded batch, but
+def _top_k(scores_BTX, k: int):
+  """The indices of lax.top_k by k rounds of argmax: XLA partitions a reduction over a sharded batch, but
   gathers the whole batch onto every device for its TopK call. Ties go to the lower index, as in top_k."""
-  weights, experts = [], []
+  chosen = []
   for _ in range(k):
-    best_BT = jnp.argmax(probs_BTE, axis=-1)
-    weights.append(jnp.max(probs_BTE, axis=-1))
-    experts.append(best_BT)
-    probs_BTE = jnp.where(jax.nn.one_hot(best_BT, probs_BTE.shape[-1], dtype=bool), -1.0, probs_BTE)
-  return jnp.stack(weights, -1), jnp.stack(experts, -1)
+    best_BT = jnp.argmax(scores_BTX, axis=-1)
+    chosen.append(best_BT)
+    scores_BTX = jnp.where(jax.nn.one_hot(best_BT, scores_BTX.shape[-1], dtype=bool), -jnp.inf, scores_BTX)
+  return jnp.stack(chosen, -1)
+
+
+def _in_best_groups(choice_BTE, groups: int, chosen: int):
+  """`choice_BTE` with the experts outside each token's `chosen` best of `groups` equal groups at -inf, a group
+  ranked by the sum of its two best scores (DeepSeek-V3's group-limited routing)."""
+  b, t, e = choice_BTE.shape
+  grouped_BTGX = choice_BTE.reshape(b, t, groups, e // groups)
+  best_two_BTG = jnp.take_along_axis(grouped_BTGX, _top_k(grouped_BTGX, 2), axis=-1).sum(-1)
+  kept_BTG = jnp.any(jax.nn.one_hot(_top_k(best_two_BTG, chosen), groups, dtype=bool), axis=-2)
+  return jnp.where(kept_BTG[..., None], grouped_BTGX, -jnp.inf).reshape(b, t, e)
 
 
 def _gather_rows(x_BSD, rows_BR):
@@ -154,9 +181,12 @@ class MoE(nnx.Module):
     if cfg.traits.biases:
       self.up_bias = zeros((e, f), ("expert", "mlp"))
       self.down_bias = zeros((e, d), ("expert", "embed"))
-    if cfg.moe_shared_width:  # Qwen2-MoE's shared expert: the family's SwiGLU, every token through it, sigmoid-gated
+    if cfg.moe_shared_width:  # the family's SwiGLU, every token through it, sigmoid-gated (Qwen2-MoE) or not
       self.shared = Mlp(dataclasses.replace(cfg, mlp_dim=cfg.moe_shared_width), rngs)
-      self.shared_gate_kernel = param(rngs, (d, 1), ("embed", None))
+      if cfg.moe_shared_gate:
+        self.shared_gate_kernel = param(rngs, (d, 1), ("embed", None))
+    if cfg.moe_router_bias:  # moved by training/step.py, not by gradients: it changes the choice only
+      self.router_bias = zeros((e,), (None,))
     self.cfg = cfg
 
   def __call__(self, x_BTD, positions_T):
@@ -165,7 +195,7 @@ class MoE(nnx.Module):
     # pipeline stage over a sharded sequence), it routes the gathered sequence and keeps its own part.
     x_BTD, positions_T, local = current().whole_length(x_BTD, positions_T)
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
-    routing, stats = route(logits_BTE, positions_T, cfg)
+    routing, stats = route(logits_BTE, positions_T, cfg, self.router_bias[...] if cfg.moe_router_bias else None)
     weights, run = self._expert_weights(), current().experts
     if cfg.moe_dropless and run is None:  # every choice kept: the sorted tokens, one group per expert
       x_BJD = _gather_rows(x_BTD.astype(dtype), routing.sorted_BJ // cfg.moe_top_k)
@@ -181,9 +211,11 @@ class MoE(nnx.Module):
       rows_BTK = routing.experts_BTK * slots + jnp.minimum(routing.slot_BTK, slots - 1)
     y_BTD = combine(y_BRD, rows_BTK, kept_BTK, routing.weights_BTK, dtype)
     if cfg.moe_shared_width:
-      gate_BT1 = jax.nn.sigmoid(
-          matmul("btd,do->bto", x_BTD, self.shared_gate_kernel[...], dtype).astype(jnp.float32))
-      y_BTD = y_BTD + (gate_BT1 * self.shared(x_BTD.astype(dtype)).astype(jnp.float32)).astype(dtype)
+      shared_BTD = self.shared(x_BTD.astype(dtype)).astype(jnp.float32)
+      if cfg.moe_shared_gate:
+        shared_BTD = shared_BTD * jax.nn.sigmoid(
+            matmul("btd,do->bto", x_BTD, self.shared_gate_kernel[...], dtype).astype(jnp.float32))
+      y_BTD = y_BTD + shared_BTD.astype(dtype)
     stats[AUX_LOSS] = cfg.moe_balance_weight * stats["moe_balance_loss"] + cfg.moe_z_weight * stats["moe_z_loss"]
     return local(y_BTD), stats
 
@@ -210,4 +242,6 @@ def summarize(stats_LX: dict) -> dict:
     return {}
   summary = {key: value.mean(0) for key, value in stats_LX.items()}
   summary[AUX_LOSS] = stats_LX[AUX_LOSS].sum(0)  # each MoE layer adds its own auxiliary losses
+  if LOADS in stats_LX:  # each layer's own, for its own bias
+    summary[LOADS] = stats_LX[LOADS]
   return summary

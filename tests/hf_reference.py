@@ -54,6 +54,9 @@ def make(job):
       # Norm scales near 1 keep activations in range; everything else plainly random.
       base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else 0.0
       weight.copy_(base + 0.1 * torch.randn_like(weight))
+    for name, buffer in model.named_buffers():  # DeepSeek's router bias is a buffer, saved with the weights
+      if name.endswith("e_score_correction_bias"):
+        buffer.copy_(0.1 * torch.randn_like(buffer))
   model.save_pretrained(job["dir"], **job["save"])
 
 

@@ -91,6 +91,13 @@ MODELS = {
     "deepseek3": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2, num_mtp_layers=0,
                                       q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                       v_head_dim=20, rope_theta=500.0), {}),
+    # DeepSeek-V3's routing in every layer: sigmoid scores, 8 experts in 4 groups of which a token's best 2 hold its
+    # top 2, weights renormalised and scaled by 2.5, one ungated shared expert, and a selection bias (random here).
+    "deepseek3_moe": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=0, num_mtp_layers=0,
+                                          q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                          v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                          topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True), {}),
     "deepseek3_direct_queries": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2,
                                                      num_mtp_layers=0, q_lora_rank=None, kv_lora_rank=16,
                                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), {}),
@@ -107,7 +114,8 @@ FAMILIES = {"qwen2": {"mesh.data": 2, "mesh.tensor": 2}, "qwen3": {"mesh.data": 
             "olmoe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
             "gemma2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
             "gemma3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
-            "deepseek3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2}}
+            "deepseek3": {"mesh.data": 2, "mesh.tensor": 2, "mesh.sequence": 2},
+            "deepseek3_moe": {"mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}}
 MESHES = {"one device": {}, "data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2}}
 CLI_BATCH = 8  # the training run below: batch 8 of GPT-2's 32 positions, built-in corpus, seed 0
 

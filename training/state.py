@@ -32,7 +32,9 @@ def model_config(config) -> ModelConfig:
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
                      moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
                      moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_shared_width=moe.shared_width,
-                     moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight,
+                     moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight, moe_score=moe.score,
+                     moe_groups=moe.groups, moe_group_top_k=moe.group_top_k, moe_scale=moe.scale,
+                     moe_shared_gate=moe.shared_gate, moe_router_bias=moe.router_bias, moe_bias_rate=moe.bias_rate,
                      mup_base_width=config.mup.base_width, mla_kv_rank=config.mla.kv_rank,
                      mla_q_rank=config.mla.q_rank, mla_rope_dim=config.mla.rope_dim, mla_v_dim=config.mla.v_dim)
 

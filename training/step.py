@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from model.moe import LOADS, ROUTER_BIAS
 from model.placement import placed
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
@@ -112,6 +113,20 @@ def kept(finite, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, wide(n), wide(o)).astype(n.dtype), new, old)
 
 
+def balancing_bias_updates(updates, loads_LE, rate: float):
+  """`updates` with each MoE layer's router bias moved by `rate` against its experts' load error (DeepSeek-V3's
+  auxiliary-loss-free balancing): up where an expert took less than the layer's mean load, down where more.
+
+  The bias changes the choice of experts only, so its gradient is zero and the optimizer's update of it is
+  replaced, not added to (weight decay would shrink it otherwise). `loads_LE` is each MoE layer's share of the
+  choices per expert, [MoE layers, experts], stacked as the biases are."""
+  def update(path, u):
+    if jax.tree_util.keystr(path[-1:]) != f"['{ROUTER_BIAS}']":
+      return u
+    return (rate * jnp.sign(loads_LE.mean(-1, keepdims=True) - loads_LE)).astype(u.dtype)
+  return jax.tree_util.tree_map_with_path(update, updates)
+
+
 def make_train_step(layout: Layout, config, donate: bool = True):
   """The jitted step with explicit shardings for every leaf; the incoming state is donated unless a
   failed step must be redone from it (fault_tolerance=survive)."""
@@ -133,6 +148,8 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     lr = schedule(state["step"])
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
+    if LOADS in stats:
+      updates = balancing_bias_updates(updates, stats.pop(LOADS), layout.model.moe_bias_rate)
     params = optax.apply_updates(state["params"], updates)
     # Nothing non-finite reaches the state: a step that would put one there is dropped and counted, and
     # the loop applies config.nonfinite to the count. Under float16 this is also the loss scaler's
