@@ -85,6 +85,14 @@ BAD = [
     ({"model.document_end": 256}, r"model.document_end=256 is not a token of the vocabulary of "
      r"model.vocab_size=256"),
     ({"moe.experts": 4, "moe.balance_weight": -1.0}, r"moe.balance_weight=-1.0 must be a finite number >= 0"),
+    ({"moe.experts": 4, "moe.score": "relu"}, r"moe.score='relu' is unknown; use softmax"),
+    ({"moe.experts": 8, "moe.groups": 3}, r"moe.groups=3 and moe.group_top_k=1 must split moe.experts=8 into equal"),
+    ({"moe.experts": 8, "moe.top_k": 4, "moe.groups": 4}, r"moe.groups=4 and moe.group_top_k=1 must split moe.experts"),
+    ({"moe.experts": 4, "moe.scale": 0.0}, r"moe.scale=0.0 must be a finite number > 0"),
+    ({"moe.experts": 4, "moe.bias_rate": 0.001}, r"moe.bias_rate=0.001 must be a finite number >= 0, and above 0 only "
+                                                 r"with moe.router_bias=True"),
+    ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "mesh.pipeline": 2, "mesh.data": 4},
+     r"moe.bias_rate=0.001 moves each layer's router bias by its loads after the optimizer's update"),
     ({"model.attention": "cudnn"}, r"model.attention='cudnn' needs an NVIDIA GPU, but this run's devices are cpu"),
     ({"sharding.fsdp_group": 4, "mesh.data": 8}, r"sharding.fsdp_group=4 shards ZeRO's state within groups, but "
      r"this run has sharding.zero=0"),
