@@ -445,12 +445,12 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
 
 def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   rope = cfg.mla_rope_dim
-  config = {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
-            "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
-            "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
-            "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
+  written = {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
+             "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
+             "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
+             "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
   if not cfg.num_experts:
-    return config
+    return written
   routing = {"moe.score": (cfg.moe_score, "sigmoid"), "moe.shared_gate": (cfg.moe_shared_gate, False),
              "moe.router_bias": (cfg.moe_router_bias, True)}
   if unlike := [f"{name}={ours} (DeepSeek-V3: {theirs})" for name, (ours, theirs) in routing.items() if ours != theirs]:
@@ -460,7 +460,7 @@ def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
     raise ValueError(f"moe.shared_width={cfg.moe_shared_width}: DeepseekV3ForCausalLM's shared experts are "
                      f"n_shared_experts >= 1 experts of the routed ones' width, model.mlp_dim={cfg.mlp_dim}; export a "
                      "model whose shared width is a multiple of it.")
-  return {**config, "first_k_dense_replace": 0, "n_routed_experts": cfg.num_experts,
+  return {**written, "first_k_dense_replace": 0, "n_routed_experts": cfg.num_experts,
           "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.mlp_dim,
           "n_shared_experts": cfg.moe_shared_width // cfg.mlp_dim, "n_group": cfg.moe_groups,
           "topk_group": cfg.moe_group_top_k, "routed_scaling_factor": cfg.moe_scale,
@@ -504,17 +504,18 @@ def _llama_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
 
 
 def _gemma_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
-  config = {**_llama_config(cfg, tied, dtype), "sliding_window": cfg.sliding_window or cfg.max_len,
-            "layer_types": _layer_kinds(cfg.num_layers, cfg.global_every, bool(cfg.sliding_window)),
-            "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_dim,
-            "attn_logit_softcapping": cfg.attention_softcap or None,
-            "final_logit_softcapping": cfg.logit_softcap or None}
-  if cfg.family == "gemma3":  # rotary settings per layer kind (transformers 5), and the local base (transformers 4)
-    local_theta = cfg.local_rope_theta or cfg.rope_theta
-    config.update(rope_local_base_freq=local_theta,
-                  rope_parameters={GLOBAL: config["rope_parameters"],
-                                   LOCAL: {"rope_type": "default", "rope_theta": local_theta}})
-  return config
+  written = {**_llama_config(cfg, tied, dtype), "sliding_window": cfg.sliding_window or cfg.max_len,
+             "layer_types": _layer_kinds(cfg.num_layers, cfg.global_every, bool(cfg.sliding_window)),
+             "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_dim,
+             "attn_logit_softcapping": cfg.attention_softcap or None,
+             "final_logit_softcapping": cfg.logit_softcap or None}
+  if cfg.family != "gemma3":
+    return written
+  # Gemma 3's rotary settings per layer kind (transformers 5), and its local base (transformers 4).
+  local_theta = cfg.local_rope_theta or cfg.rope_theta
+  return {**written, "rope_local_base_freq": local_theta,
+          "rope_parameters": {GLOBAL: written["rope_parameters"], LOCAL: {"rope_type": "default",
+                                                                          "rope_theta": local_theta}}}
 
 
 def _expert_config(cfg: ModelConfig, tied: bool, dtype: str, width: str, **fixed) -> dict:

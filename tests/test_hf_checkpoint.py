@@ -304,7 +304,8 @@ def test_refuses_an_architecture_it_does_not_have(reference, tmp_path):
   refused(tiny_config(init_from=f"hf:{directory}", workdir=str(tmp_path / "run")),
           r"declares architectures \['BertForMaskedLM'\]; meshlm imports GPT2LMHeadModel, LlamaForCausalLM, "
           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-          "OlmoeForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM checkpoints")
+          "OlmoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM "
+          "checkpoints")
 
 
 def test_refuses_a_tensor_shaped_unlike_its_config(reference, tmp_path):
