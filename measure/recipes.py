@@ -34,6 +34,7 @@ class Recipe:
   columns: dict = dataclasses.field(default_factory=dict)  # extra table column -> fn(run's fields) -> str
   target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
   versus: str = ""  # a field: the figure plots final validation loss against it, a line per other setting
+  expert_balance: bool = False  # columns of how evenly the experts were chosen over the run's second half
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""
@@ -111,6 +112,15 @@ RECIPES = {r.name: r for r in [
            cases=({"batch_size": 4, "grad_accum": 1}, {"batch_size": 16, "grad_accum": 1},
                   {"batch_size": 16, "grad_accum": 4}),
            fixed=SHORT_RUN),
+    # DeepSeek-V3's routing on every layer (configs/deepseek.py): sigmoid scores, groups, a shared expert.
+    Recipe("moe_balance",
+           "Keeping DeepSeek-style experts balanced: nothing, the auxiliary loss (Switch Transformer's), and "
+           "DeepSeek-V3's selection bias moved against each expert's load at two rates, with no loss term.",
+           cases=({"moe.bias_rate": 0.0, "moe.balance_weight": 0.0},
+                  {"moe.bias_rate": 0.0, "moe.balance_weight": 0.01},
+                  {"moe.bias_rate": 0.001, "moe.balance_weight": 0.0},
+                  {"moe.bias_rate": 0.01, "moe.balance_weight": 0.0}),
+           seeds=(0, 1), config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN, expert_balance=True),
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),

@@ -120,6 +120,19 @@ def steps_to(workdir: Path, target: float) -> str:
   return next((str(r["step"]) for r in train if r["loss"] <= target), "not reached")
 
 
+def expert_balance(workdir: Path) -> dict:
+  """How evenly a MoE run chose its experts over its second half, as table columns: the coefficient of
+  variation (std / mean) of the experts' shares of the choices (averaged over the layers, then over the logged
+  steps; 0 is even), and the balance figure E x sum_i f_i P_i per layer (1 when balanced)."""
+  train, _ = read_metrics(workdir)
+  late = train[len(train) // 2:]
+  if not late or "moe_balance_loss" not in late[0]:
+    return {"load CV": "", "E x sum f P": ""}
+  loads = [[r[k] for k in r if k.startswith("expert_load/")] for r in late]
+  variation = statistics.mean(statistics.pstdev(shares) / statistics.mean(shares) for shares in loads)
+  return {"load CV": f"{variation:.3f}", "E x sum f P": f"{statistics.mean(r['moe_balance_loss'] for r in late):.3f}"}
+
+
 def write_tables(rows: list[dict], out: Path) -> str:
   """results.csv and results.md in `out`; returns the markdown."""
   header = list(rows[0])
@@ -209,7 +222,8 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
     reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
     rows.append({**{k: _shown(fields[k], runs) for k in varied},
                  **{column: describe(fields) for column, describe in recipe.columns.items()},
-                 **summarize(workdir, marker), **reached})
+                 **summarize(workdir, marker), **reached,
+                 **(expert_balance(workdir) if recipe.expert_balance else {})})
     curves.append((label, workdir))
   markdown = write_tables(rows, out)
   if recipe.versus:

@@ -219,9 +219,9 @@ class ModelConfig:
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
 
   def _check_global_every(self):
-    if not 0 < self.global_every <= self.num_layers:
-      raise ValueError(f"model.global_every={self.global_every} must be between 1 and model.num_layers="
-                       f"{self.num_layers}: every k-th layer is global (Gemma 2: 2, Gemma 3: 6).")
+    if self.global_every < 1:
+      raise ValueError(f"model.global_every={self.global_every} must be at least 1: every k-th layer is global "
+                       "(Gemma 2: 2, Gemma 3: 6), or 0 for every layer alike.")
     if not self.sliding_window:
       raise ValueError(f"model.global_every={self.global_every} makes the other layers attend within "
                        "model.sliding_window, which is 0; set the local layers' window (Gemma 2: 4096).")

@@ -51,6 +51,10 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
         "pick a grad_accum that divides the batch.")
   micro = batch_size // grad_accum
   if shape[PIPELINE] > 1:
+    if model.moe_bias_rate:
+      raise ValueError(f"moe.bias_rate={model.moe_bias_rate} moves each layer's router bias by that layer's loads, "
+                       "which a pipeline's stages do not gather into one step's figures; balance by "
+                       "moe.balance_weight on mesh.pipeline > 1, or train without a pipeline.")
     _check_pipeline(model, shape[PIPELINE], micro, data_parallel, pipeline)
     if pipeline.first_stage_layers:
       if shape[SEQUENCE] > 1 and context == "ring":
@@ -78,7 +82,7 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
   schedule, micro, virtual = pipeline.schedule, pipeline.microbatches, virtual_stages(pipeline)
   stashes = SCHEDULES[schedule].stashes  # 1F1B: each micro-batch's head runs as it leaves the last stage
   chunks = stages * virtual
-  # A chunk holds whole scanned units: single blocks, or groups of moe.every (or model.global_every) blocks.
+  # A chunk holds whole scanned units: single blocks, or groups of moe.every blocks.
   problem = unequal_problem(model.num_units, model.layers_per_unit, chunks=chunks,
                             first_layers=pipeline.first_stage_layers, last_layers=pipeline.last_stage_layers)
   if problem:
@@ -86,7 +90,7 @@ def _check_pipeline(model: ModelConfig, stages: int, batch: int, data_parallel: 
   if not pipeline.first_stage_layers and model.num_units % chunks:
     raise ValueError(
         f"model.num_layers={model.num_layers}"
-        + (f" in groups of {model.layers_per_unit} (moe.every or model.global_every)" if model.layers_per_unit > 1
+        + (f" in groups of {model.layers_per_unit} (moe.every)" if model.layers_per_unit > 1
            else "")
         + f" does not split into mesh.pipeline={stages}"
         + (f" x pipeline.virtual_stages={virtual}" if SCHEDULES[schedule].virtual else "")

@@ -40,7 +40,7 @@ def unequal_problem(num_units: int, layers_per_unit: int, *, chunks: int, first_
             "both be set (at least 1) to split the layers unequally, or both 0 to split them equally")
   if first_layers % layers_per_unit or last_layers % layers_per_unit:
     return (f"pipeline.first_stage_layers={first_layers} and pipeline.last_stage_layers={last_layers} must be "
-            f"multiples of {layers_per_unit}, the layers a scanned unit holds (moe.every or model.global_every)")
+            f"multiples of {layers_per_unit}, the layers a scanned unit holds (moe.every)")
   rest = layers - first_layers - last_layers
   if chunks == 2 and rest:
     return (f"pipeline.first_stage_layers={first_layers} + pipeline.last_stage_layers={last_layers} must be "

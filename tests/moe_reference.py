@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from model.layers import matmul
-from model.moe import AUX_LOSS, EXPERT_AXES, _top_k, capacity
+from model.moe import AUX_LOSS, EXPERT_AXES, capacity
 from model.placement import constrain, current
 
 
@@ -18,7 +18,7 @@ def route(logits_BTE, positions_T, cfg):
   b, t, e = logits_BTE.shape
   k, slots = cfg.moe_top_k, capacity(cfg, t)
   probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-  weights_BTK, experts_BTK = _top_k(probs_BTE, k)
+  weights_BTK, experts_BTK = jax.lax.top_k(probs_BTE, k)
   if k > 1:
     weights_BTK = weights_BTK / weights_BTK.sum(-1, keepdims=True)
   chosen_KBTE = jnp.moveaxis(jax.nn.one_hot(experts_BTK, e, dtype=jnp.float32), 2, 0)

@@ -33,10 +33,7 @@ def moe_config(num_experts=4, top_k=2, capacity_factor=1.0, dropless=False):
 def test_top_k_by_argmax_matches_lax_top_k():
   probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 16, 8)), axis=-1)
   for k in (1, 2, 3):
-    weights, experts = _top_k(probs, k)
-    expected_weights, expected_experts = jax.lax.top_k(probs, k)
-    np.testing.assert_array_equal(experts, expected_experts)
-    np.testing.assert_array_equal(weights, expected_weights)
+    np.testing.assert_array_equal(_top_k(probs, k), jax.lax.top_k(probs, k)[1])
 
 
 def test_capacity_keeps_the_earliest_first_choices():
@@ -282,7 +279,7 @@ def test_training_logs_router_figures_and_matches_expert_one(tmp_path):
     ({"moe.experts": 4, "moe.capacity_factor": 0.0}, "moe.capacity_factor=0.0 must be positive"),
     ({"moe.experts": 4, "moe.every": 3}, "moe.every=3 does not divide model.num_layers=2"),
     ({"moe.experts": 4, "moe.every": 2, "mesh.pipeline": 2, "mesh.data": 4},
-     r"model.num_layers=2 in groups of 2 \(moe.every or model.global_every\) does not split into mesh.pipeline=2"),
+     r"model.num_layers=2 in groups of 2 \(moe.every\) does not split into mesh.pipeline=2"),
     ({"moe.experts": 4, "moe.dropless": True, "precision.compute": "float8"},
      "moe.dropless=True with precision.compute=float8"),
 ])

@@ -44,8 +44,8 @@ BAD = [
       "optimizer.name": "muon", "optimizer.muon_iteration": "gathered"},
      r"optimizer.muon_iteration=gathered gathers each matrix split over pipeline by layer"),
     ({"model.kv_heads": -1}, r"model.kv_heads=-1 must be at least 0"),
-    ({"model.global_every": 3, "model.sliding_window": 4}, r"model.global_every=3 must be between 1 and "
-                                                            r"model.num_layers=2: every k-th layer is global"),
+    ({"model.global_every": -1, "model.sliding_window": 4}, r"model.global_every=-1 must be at least 1: every k-th "
+                                                             r"layer is global"),
     ({"model.local_rope_theta": 100.0}, r"model.local_rope_theta=100.0 is the local layers' rotary base, but "
                                         r"model.global_every=0 makes no layer global"),
     ({"model.global_every": 2, "model.sliding_window": 4, "model.local_rope_theta": 100.0},
@@ -92,7 +92,10 @@ BAD = [
     ({"moe.experts": 4, "moe.bias_rate": 0.001}, r"moe.bias_rate=0.001 must be a finite number >= 0, and above 0 only "
                                                  r"with moe.router_bias=True"),
     ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "mesh.pipeline": 2, "mesh.data": 4},
-     r"moe.bias_rate=0.001 moves each layer's router bias by its loads after the optimizer's update"),
+     r"moe.bias_rate=0.001 moves each layer's router bias by that layer's loads, which a pipeline's stages"),
+    ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "optimizer.name": "schedule_free_adamw",
+      "schedule.decay": "constant"}, r"moe.bias_rate=0.001 moves each layer's router bias by its loads after the "
+                                      r"optimizer's update, which schedule-free's"),
     ({"model.attention": "cudnn"}, r"model.attention='cudnn' needs an NVIDIA GPU, but this run's devices are cpu"),
     ({"sharding.fsdp_group": 4, "mesh.data": 8}, r"sharding.fsdp_group=4 shards ZeRO's state within groups, but "
      r"this run has sharding.zero=0"),

@@ -98,10 +98,10 @@ def check_run(config) -> None:
       and config.optimizer.muon_iteration == "gathered"):
     raise ValueError("optimizer.muon_iteration=gathered gathers each matrix split over pipeline by layer, which "
                      "unequal stages (pipeline.first_stage_layers) cannot; use round_robin or partitioned.")
-  if config.moe.bias_rate and (config.mesh.pipeline > 1 or config.optimizer.name == "schedule_free_adamw"):
+  if config.moe.bias_rate and config.optimizer.name == "schedule_free_adamw":
     raise ValueError(f"moe.bias_rate={config.moe.bias_rate} moves each layer's router bias by its loads after the "
-                     "optimizer's update, which neither a pipeline's stages (mesh.pipeline > 1) nor schedule-free's "
-                     "averaged weights pass on; balance by moe.balance_weight there, or train without them.")
+                     "optimizer's update, which schedule-free's averaged weights do not carry; balance by "
+                     "moe.balance_weight with it, or use another optimizer.")
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
