@@ -85,7 +85,9 @@ def check_write(recipes: list[Recipe]) -> None:
 def docs_command(recipe: Recipe) -> str:
   """The command that regenerates one recipe's docs, as the docs quote it."""
   sets = "".join(f" --set={entry}" for entry in _SET.value)
-  return f"python tools/sweep.py --recipe={recipe.name}{sets} --write={_WRITE.value}"
+  page = Path(_PAGE.value).resolve()
+  elsewhere = "" if page == (ROOT / "docs" / "research.md").resolve() else f" --page={page.relative_to(ROOT)}"
+  return f"python tools/sweep.py --recipe={recipe.name}{sets} --write={_WRITE.value}{elsewhere}"
 
 
 def run_recipe(recipe: Recipe) -> None:
