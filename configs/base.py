@@ -118,6 +118,8 @@ def base() -> ml_collections.ConfigDict:
   c.moe = ml_collections.ConfigDict()
   c.moe.experts = 0  # E: 0 keeps every feed-forward layer dense
   c.moe.every = 1  # every k-th layer's feed-forward is a mixture of experts (1: all, 2: alternate)
+  c.moe.first_dense = 0  # the first k layers dense before the routed ones, a stack of their own (DeepSeek-V3: 3)
+  c.moe.dense_width = 0  # their MLP's width (DeepSeek-V3: 18432); 0: model.mlp_dim
   c.moe.top_k = 2  # experts per token
   c.moe.shared_width = 0  # F_s > 0: a shared SwiGLU expert every token takes, sigmoid-gated (Qwen2-MoE)
   c.moe.renormalize = True  # the top-k router weights scaled to sum to one (Mixtral); False: the softmax's (OLMoE)

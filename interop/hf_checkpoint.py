@@ -28,7 +28,9 @@ from safetensors.numpy import save_file
 from configs.load import with_fields
 from interop import hf_mapping
 from model.config import ModelConfig
-from model.transformer import STACKED
+from model.transformer import DENSE_STACKED, STACKED
+
+STACKS = (STACKED, DENSE_STACKED)  # the parameters with a leading layer axis
 from training.state import Layout, model_config
 from training.validate import cannot_hold_files
 
@@ -86,7 +88,7 @@ class HFCheckpoint:
         def block(index):
           ranges = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
           if ranges not in blocks:
-            blocks[ranges] = _leaf_block(read, tensor, ranges, stacked=_path(path)[0] == STACKED,
+            blocks[ranges] = _leaf_block(read, tensor, ranges, stacked=_path(path)[0] in STACKS,
                                          vocab=cfg.vocab_size).astype(leaf.dtype)
           return blocks[ranges]
 
@@ -187,14 +189,16 @@ def _tensor_files(directory: Path) -> dict:
 def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
   shapes = {}
   for path, tensor in hf_mapping.tensors(cfg, tied).items():
-    for index in _indices(cfg, tensor, stacked=path[0] == STACKED):
+    for index in _indices(cfg, tensor, path):
       shapes[tensor.hf_name(**index)] = tensor.hf_shape
   return shapes
 
 
-def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, *, stacked: bool) -> list[dict]:
-  """The {layer, expert} of each Hugging Face tensor one meshlm weight is made of, in its leading axes' order."""
-  layers = range(cfg.num_units) if stacked else [None]
+def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, path: tuple) -> list[dict]:
+  """The {layer, expert} of each Hugging Face tensor the meshlm weight at `path` is made of, in its leading axes'
+  order: a stack's units (the scanned one's, or moe.first_dense's dense layers)."""
+  stack = {STACKED: cfg.num_units, DENSE_STACKED: cfg.moe_first_dense}.get(path[0])
+  layers = range(stack) if stack is not None else [None]
   experts = range(cfg.num_experts) if tensor.per_expert else [None]
   return [{"layer": layer, "expert": expert} for layer in layers for expert in experts]
 
@@ -286,7 +290,7 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
     leaf = params
     for key in path:
       leaf = leaf[key]
-    for index in _indices(cfg, tensor, stacked=path[0] == STACKED):
+    for index in _indices(cfg, tensor, path):
       array = leaf
       for i in (i for i in index.values() if i is not None):
         array = array[i]

@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 from model.config import ModelConfig
 from model.families import FAMILIES
+from model.transformer import DENSE_STACKED, STACKED, dense_layers_config
 
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
 
@@ -61,6 +62,7 @@ class Tensor:
   per_expert: bool = False  # meshlm's first axis (after a stacked weight's layer) is the expert: `name` holds {expert}
   unit_layers: int = 1  # blocks per scanned unit
   unit_layer: int = 0  # this block's place in its unit
+  first_layer: int = 0  # the Hugging Face layer of the stack's first unit (after moe.first_dense's dense layers)
 
   @property
   def hf_shape(self) -> tuple:
@@ -68,7 +70,7 @@ class Tensor:
 
   def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
     """The Hugging Face tensor of unit `layer` (stacked weights) and `expert` (an expert's matrices)."""
-    hf_layer = None if layer is None else layer * self.unit_layers + self.unit_layer
+    hf_layer = None if layer is None else self.first_layer + layer * self.unit_layers + self.unit_layer
     return self.name.format(layer=hf_layer, expert=expert)
 
 
@@ -170,7 +172,19 @@ def gemma_tensors(cfg: ModelConfig, tied: bool) -> dict:
 
 def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
   """Llama's tensors with DeepSeek's latent attention (model/mla.py), whose weights it lays out as these are, and
-  its experts: Qwen-MoE's names, an ungated shared expert and the router's selection bias."""
+  its experts: Qwen-MoE's names, an ungated shared expert and the router's selection bias; the first dense layers
+  (first_k_dense_replace, moe.first_dense) a stack of their own, the routed layers' numbers counted after them."""
+  routed = _deepseek_table(cfg, tied)
+  if not cfg.moe_first_dense:
+    return routed
+  dense = _deepseek_table(dense_layers_config(cfg), tied)
+  return {**{path: dataclasses.replace(tensor, first_layer=cfg.moe_first_dense) if path[0] == STACKED else tensor
+             for path, tensor in routed.items()},
+          **{(DENSE_STACKED, *path[1:]): tensor for path, tensor in dense.items() if path[0] == STACKED}}
+
+
+def _deepseek_table(cfg: ModelConfig, tied: bool) -> dict:
+  """deepseek_tensors of one stack: cfg's layers, routed where it has experts."""
   layer = "model.layers.{layer}."
   attn, c, r = layer + "self_attn.", cfg.mla_kv_rank, cfg.mla_rope_dim
   d, n, h, q, v = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mla_q_rank, cfg.mla_v_dim
@@ -425,10 +439,6 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
   qk_rope_head_dim wide) and, where its layers route, DeepSeek's routing over every layer."""
   layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
   routed = bool(hf.get("n_routed_experts")) and dense < layers
-  if routed and dense:
-    raise ValueError(f"{where} keeps its first {dense} layers dense (first_k_dense_replace) and routes the rest; "
-                     "meshlm's scanned layers are all alike, so it imports DeepSeek-V3 with every layer dense or "
-                     "every layer routed (first_k_dense_replace 0).")
   nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
   fields = {**_llama_fields(hf, where, "deepseek3"), "head_width": nope + rope, "kv_heads": 0,
             "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0, "mla.rope_dim": rope,
@@ -440,7 +450,8 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
           "moe.every": 1, "moe.dropless": True, "moe.renormalize": bool(hf.get("norm_topk_prob", True)),
           "moe.shared_width": width * hf.get("n_shared_experts", 1), "moe.shared_gate": False,
           "moe.score": "sigmoid", "moe.groups": hf.get("n_group") or 1, "moe.group_top_k": hf.get("topk_group") or 1,
-          "moe.scale": float(hf.get("routed_scaling_factor", 1.0)), "moe.router_bias": True}
+          "moe.scale": float(hf.get("routed_scaling_factor", 1.0)), "moe.router_bias": True,
+          "moe.first_dense": dense, "moe.dense_width": hf["intermediate_size"] if dense else 0}
 
 
 def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
@@ -460,7 +471,8 @@ def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
     raise ValueError(f"moe.shared_width={cfg.moe_shared_width}: DeepseekV3ForCausalLM's shared experts are "
                      f"n_shared_experts >= 1 experts of the routed ones' width, model.mlp_dim={cfg.mlp_dim}; export a "
                      "model whose shared width is a multiple of it.")
-  return {**written, "first_k_dense_replace": 0, "n_routed_experts": cfg.num_experts,
+  return {**written, "first_k_dense_replace": cfg.moe_first_dense, "n_routed_experts": cfg.num_experts,
+          "intermediate_size": cfg.moe_dense_width or cfg.mlp_dim,
           "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.mlp_dim,
           "n_shared_experts": cfg.moe_shared_width // cfg.mlp_dim, "n_group": cfg.moe_groups,
           "topk_group": cfg.moe_group_top_k, "routed_scaling_factor": cfg.moe_scale,

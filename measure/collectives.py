@@ -8,7 +8,8 @@ import collections
 import math
 
 from measure.sizes import (compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
-                           optimizer_of, run_of, stage_elements, stage_layers, stage_units, stored_table)
+                           optimizer_of, routed_layers, run_of, stage_elements, stage_layers, stage_units,
+                           stored_table)
 from parallel import context, experts, rules, schedules
 from parallel.costs import (F32_BYTES, MASTER_BYTES, Weight, all_reduce, axes_key, gather, shard_elements,
                             sharded_over)
@@ -142,8 +143,8 @@ def _tensor_parallel(run, mesh, traffic):
     # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
     capacity = expert_slots(m, d.full_length)
     slots = all_reduce(m.num_experts * d.batch * capacity * d.embed * d.compute_bytes, t)
-    per_stage += layers // m.moe_every * (slots - tokens)
-    backward_stage += layers // m.moe_every * (slots - tokens)
+    per_stage += routed_layers(m, layers) * (slots - tokens)
+    backward_stage += routed_layers(m, layers) * (slots - tokens)
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(run, mesh[PIPELINE])
@@ -189,7 +190,7 @@ def _context(run, mesh, traffic):
   if mesh[PIPELINE] > 1 and run.model.num_experts:
     # In a pipeline stage a MoE layer routes the whole sequence, gathered over `sequence` (parallel/context.py
     # whole_length), and its input's gradient is reduce-scattered back.
-    whole = layers // run.model.moe_every * gather(d.activation_bytes(d.embed) * shards, shards)
+    whole = routed_layers(run.model, layers) * gather(d.activation_bytes(d.embed) * shards, shards)
     traffic[("all-gather", SEQUENCE)] += forward * whole
     traffic[("reduce-scatter", SEQUENCE)] += backward * whole
 
@@ -202,7 +203,7 @@ def _experts(run, mesh, traffic):
     return
   d, m = dims(run, mesh), run.model
   forward, backward = layer_passes(run, mesh)
-  layers = stage_layers(run, mesh) // m.moe_every
+  layers = routed_layers(m, stage_layers(run, mesh))
   capacity = expert_slots(m, d.full_length)
   tokens = m.num_experts * d.batch * capacity * d.embed * d.compute_bytes
   for key, value in experts.sent(tokens, mesh[EXPERT]).items():

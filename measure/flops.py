@@ -5,7 +5,7 @@ cost); and the textbook's ideal, 6N per token plus attention."""
 import math
 
 from measure.sizes import (dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs, optimizer_of,
-                           run_of, stage_elements, stage_layers)
+                           routed_layers, run_of, stage_elements, stage_layers)
 from parallel import context, rules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
@@ -34,7 +34,7 @@ def stage_forward(run, d: Dims, mesh, weights) -> dict[str, int]:
   m = run.model
   if m.num_experts:
     slots = expert_slots(m, d.full_length)
-    moe_layers = layers // m.moe_every
+    moe_layers = routed_layers(m, layers)
     parts["experts"] = 2 * mesh[EXPERT] * d.batch * slots * matrices(lambda w: "expert" in w.axes)
     parts["dispatch"] = parts["combine"] = 2 * d.tokens * m.num_experts * slots * d.embed * moe_layers
   return parts

@@ -153,6 +153,12 @@ def stage_layers(run, mesh: dict) -> int:
   return schedules.virtual_stages(run.pipeline) * stage_split.slots(units) * run.model.layers_per_unit
 
 
+def routed_layers(model, layers: int) -> int:
+  """The MoE layers among a stage's `layers`: every moe_every-th after the first moe_first_dense dense ones
+  (which a pipeline never splits: parallel/checks.py)."""
+  return (layers - model.moe_first_dense) // model.moe_every
+
+
 def stored_table(run, mesh: dict, w: Weight, table) -> tuple:
   """The rules `table` as weight `w` lies by it: a stack of unequal stages split over `pipeline` by `embed`."""
   return rules.split_by_embed(table) if w.stacked and stage_units(run, mesh) is not None else table

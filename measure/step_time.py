@@ -33,7 +33,7 @@ import dataclasses
 import math
 
 from measure import estimate, memory, tiers
-from measure.sizes import head_weights, is_matrix, replaced, run_of
+from measure.sizes import head_weights, is_matrix, replaced, routed_layers, run_of
 from measure.hardware import Cluster
 from parallel import context, experts, rules, schedules
 from parallel.costs import shard_elements
@@ -94,7 +94,7 @@ def calls(run, mesh: dict, source: str, kind: str, weights: list) -> int:
   if source == "context":
     return per_pass * context.STRATEGIES[run.attention.context].calls(mesh[SEQUENCE])
   if source == "experts":
-    return experts.CALLS * per_pass // max(run.model.moe_every, 1)
+    return experts.CALLS * (forward + backward) * routed_layers(run.model, layers)
   if source == "pipeline":
     p = run.pipeline
     ticks = schedules.SCHEDULES[p.schedule].ticks(stages=mesh[PIPELINE], micro=p.microbatches,

@@ -68,6 +68,10 @@ class ModelConfig:
   norm_eps: float = 0.0  # LayerNorm / RMSNorm epsilon; 0 means the family's own (Family.norm_eps)
   num_experts: int = 0  # 0: dense; E > 0: every moe_every-th feed-forward layer is a mixture of E experts
   moe_every: int = 1
+  # the first k layers dense, before the routed ones (DeepSeek-V3: 3), their MLP moe_dense_width wide (0: mlp_dim);
+  # a second scanned stack of their own (model/transformer.py DENSE_STACKED)
+  moe_first_dense: int = 0
+  moe_dense_width: int = 0
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
   moe_dropless: bool = False
@@ -102,7 +106,8 @@ class ModelConfig:
 
   @property
   def num_units(self) -> int:
-    return self.num_layers // self.layers_per_unit
+    """Units of the scanned stack: the layers after the first moe_first_dense, in units of layers_per_unit."""
+    return (self.num_layers - self.moe_first_dense) // self.layers_per_unit
 
   @property
   def moe_layers(self) -> int:
@@ -202,6 +207,10 @@ class ModelConfig:
                        "packed documents.")
     if self.num_experts:
       self._check_moe()
+    elif self.moe_first_dense or self.moe_dense_width:
+      raise ValueError(f"moe.first_dense={self.moe_first_dense} and moe.dense_width={self.moe_dense_width} set the "
+                       "dense layers before the routed ones, but moe.experts=0 routes none; set moe.experts, or "
+                       "leave them at 0.")
     if self.global_every:
       self._check_global_every()
     elif self.local_rope_theta:
@@ -326,6 +335,10 @@ class ModelConfig:
                        f"that width (Qwen2-MoE's SwiGLU), which model.family={self.family!r} does not have; use 0, "
                        f"or one of {gated}.")
     self._check_deepseek_routing()
-    if self.moe_every < 1 or self.num_layers % self.moe_every:
+    if not 0 <= self.moe_first_dense < self.num_layers or self.moe_dense_width < 0:
+      raise ValueError(f"moe.first_dense={self.moe_first_dense} and moe.dense_width={self.moe_dense_width}: the "
+                       f"dense layers before the routed ones must leave at least one of model.num_layers="
+                       f"{self.num_layers} routed, and their width be >= 0 (DeepSeek-V3: 3 and 18432; 0: mlp_dim).")
+    if self.moe_every < 1 or (self.num_layers - self.moe_first_dense) % self.moe_every:
       raise ValueError(f"moe.every={self.moe_every} does not divide model.num_layers={self.num_layers}; "
                        "every k-th layer is MoE, so choose a k that divides the layer count.")

@@ -9,7 +9,7 @@ from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward
 
 
 class Block(nnx.Module):
@@ -43,7 +43,7 @@ class GPT2(LanguageModel):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = Embed(cfg, rngs)
-    self.blocks = stacked(Block, cfg, rngs)
+    self.stack_blocks(Block, rngs)
     self.ln_final = LayerNorm(cfg.embed_dim, cfg.epsilon)
 
   def embed_tokens(self, tokens_BT, positions_T=None):

@@ -21,7 +21,7 @@ WIDTH_AXES = ("embed", "latent")  # the axes that mark a matrix's input (first) 
 def matrix_sides(path, axes) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """(input axes, output axes) of a hidden matrix from its tree path and logical axes; None for any other."""
   keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-  if keys[0] != "blocks" or not keys[-1].endswith("kernel"):
+  if keys[0] not in ("blocks", "dense_blocks") or not keys[-1].endswith("kernel"):
     return None
   matrix = [i for i, name in enumerate(axes) if name not in BATCH_AXES]
   names = [axes[i] for i in matrix]

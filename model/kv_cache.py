@@ -23,7 +23,7 @@ from flax import nnx
 from model.attention import blockwise_attention, per_layer_window
 from model.config import ModelConfig
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, Unit, layer_kinds
+from model.transformer import ACTIVATION_AXES, DENSE_STACKED, Unit, layer_kinds
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 
@@ -37,11 +37,13 @@ def cache_length(cfg: ModelConfig) -> int:
 
 def init_cache(cfg: ModelConfig, batch: int) -> dict:
   """Empty keys and values for `batch` sequences of up to max_len tokens, per layer; under multi-head latent
-  attention (model/mla.py) each token's latent in "k" and its rotary key in "v", one shared "head" each."""
-  per_layer = (cfg.num_units, cfg.layers_per_unit, batch, cache_length(cfg))
+  attention (model/mla.py) each token's latent in "k" and its rotary key in "v", one shared "head" each. The
+  dense layers before the routed ones (moe.first_dense) keep theirs under "dense_k" and "dense_v"."""
   k_shape, v_shape = (((1, cfg.mla_kv_rank), (1, cfg.mla_rope_dim)) if cfg.mla_kv_rank else
                       ((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)))
-  return {"k": jnp.zeros(per_layer + k_shape, cfg.dtype), "v": jnp.zeros(per_layer + v_shape, cfg.dtype)}
+  stacks = {"": (cfg.num_units, cfg.layers_per_unit), "dense_": (cfg.moe_first_dense, 1)}
+  return {f"{prefix}{name}": jnp.zeros((*units, batch, cache_length(cfg), *shape), cfg.dtype)
+          for prefix, units in stacks.items() if units[0] for name, shape in (("k", k_shape), ("v", v_shape))}
 
 
 class LayerCache:
@@ -104,6 +106,11 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
     k_lBSKH, v_lBSKH = jnp.stack([c.k_BSKH for c in caches]), jnp.stack([c.v_BSKH for c in caches])
     return constrain(x_BTD, ACTIVATION_AXES), (k_lBSKH, v_lBSKH)
 
-  x_BTD, (k_UlBSKH, v_UlBSKH) = nnx.scan(unit, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))(
-      x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))
-  return model.logits(x_BTD), {"k": k_UlBSKH, "v": v_UlBSKH}
+  run = lambda x_BTD, blocks, k, v, kinds: nnx.scan(unit, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))(
+      x_BTD, blocks, k, v, kinds)
+  cache = dict(cache)
+  if model.cfg.moe_first_dense:
+    x_BTD, (cache["dense_k"], cache["dense_v"]) = run(x_BTD, getattr(model, DENSE_STACKED), cache["dense_k"],
+                                                     cache["dense_v"], {})
+  x_BTD, (cache["k"], cache["v"]) = run(x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))
+  return model.logits(x_BTD), cache

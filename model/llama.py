@@ -10,7 +10,7 @@ from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain
 from model.rotary import rotary
-from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward, stacked
+from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward
 
 
 class Attention(nnx.Module):
@@ -68,7 +68,7 @@ class Llama(LanguageModel):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = vocab_param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), cfg.vocab_size)
-    self.blocks = stacked(self.block_class, cfg, rngs)
+    self.stack_blocks(self.block_class, rngs)
     self.norm_final = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.head = vocab_param(rngs, (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"), cfg.vocab_size)
 

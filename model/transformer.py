@@ -7,6 +7,7 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ from model.placement import constrain, current, placed, shard_count
 
 ACTIVATION_AXES = ("batch", "length", "embed")
 STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
+DENSE_STACKED = "dense_blocks"  # moe.first_dense's dense layers, a stack of their own run before STACKED
 BLOCK_INPUT = "block_input"  # the name full_offload moves to host memory
 
 
@@ -70,10 +72,17 @@ def layer_kinds(cfg: ModelConfig, units_L=None) -> dict:
   return {"global_layer": jnp.asarray(cfg.global_layers)[units_L]}
 
 
-def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs):
-  """One unit (a block, or a Unit of several) whose every parameter has a leading `layers` axis of size num_units."""
+def dense_layers_config(cfg: ModelConfig) -> ModelConfig:
+  """The config moe.first_dense's dense layers run with: no experts, their own MLP width."""
+  return dataclasses.replace(cfg, num_experts=0, moe_first_dense=0, moe_dense_width=0,
+                             mlp_dim=cfg.moe_dense_width or cfg.mlp_dim)
 
-  @nnx.split_rngs(splits=cfg.num_units)
+
+def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs, units: int | None = None):
+  """One unit (a block, or a Unit of several) whose every parameter has a leading `layers` axis of size `units`
+  (num_units when None)."""
+
+  @nnx.split_rngs(splits=units or cfg.num_units)
   @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make(rngs):
     return Unit(block_class, cfg, rngs) if cfg.num_experts else block_class(cfg, rngs)
@@ -297,7 +306,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
-  graphdef, stack, head = nnx.split(model, nnx.PathContains(STACKED), ...)
+  graphdef, stack, head = nnx.split(model, nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED)), ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
@@ -395,6 +404,13 @@ class LanguageModel(nnx.Module):
   and keeps its stacked blocks in `self.blocks`.
   """
 
+  def stack_blocks(self, block_class, rngs: nnx.Rngs):
+    """The scanned stack `self.blocks`, and before it, with moe.first_dense, the dense layers' own stack."""
+    if self.cfg.moe_first_dense:
+      setattr(self, DENSE_STACKED, stacked(block_class, dense_layers_config(self.cfg), rngs,
+                                           units=self.cfg.moe_first_dense))
+    self.blocks = stacked(block_class, self.cfg, rngs)
+
   def logits(self, x_BTD):
     """Float32 logits, the vocabulary's padding masked."""
     return masked_vocab(self.head_output(x_BTD), self.cfg)
@@ -403,6 +419,9 @@ class LanguageModel(nnx.Module):
     """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense); `live_L`
     skips the units where it is False and `units_L` names the stacked units (scan_blocks)."""
     positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else positions_T
+    if self.cfg.moe_first_dense:  # parallel/checks.py keeps pipelines off it: every stage would run these
+      x_BTD, _ = scan_blocks(getattr(self, DENSE_STACKED), x_BTD, positions_T, dense_layers_config(self.cfg),
+                             segments_BT)
     x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT, live_L, units_L)
     return x_BTD, summarize(stats)
 

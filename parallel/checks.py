@@ -51,6 +51,9 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
         "pick a grad_accum that divides the batch.")
   micro = batch_size // grad_accum
   if shape[PIPELINE] > 1:
+    if model.moe_first_dense:
+      raise ValueError(f"moe.first_dense={model.moe_first_dense}: the dense layers are a stack of their own, "
+                       "which meshlm's pipelines do not split into stages yet; train them on mesh.pipeline=1.")
     if model.moe_bias_rate:
       raise ValueError(f"moe.bias_rate={model.moe_bias_rate} moves each layer's router bias by that layer's loads, "
                        "which a pipeline's stages do not gather into one step's figures; balance by "

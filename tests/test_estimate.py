@@ -45,6 +45,9 @@ LAYOUTS = {
                                           "pipeline.first_stage_layers": 1, "pipeline.last_stage_layers": 2},
     "data=2 x sequence=4": {"mesh.data": 2, "mesh.sequence": 4},
     "moe data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4},
+    # DeepSeek's layout: a first dense layer of its own stack before the routed ones.
+    "moe, a dense first layer, data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4,
+                                                    "model.num_layers": 3, "moe.first_dense": 1},
     "data=8, activations recomputed": {"mesh.data": 8, "model.recompute_activation": True},
     # Latents a third of the width, so that counting the heads' gradients summed at the input instead of at the
     # latents would miss the tensor all-reduce's bytes by 15%.
@@ -110,6 +113,7 @@ BY_HAND = {
 
 # Keys the compiled program adds beside a textbook it otherwise matches: the router's scalar statistics.
 EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")},
+              "moe, a dense first layer, data=2 x expert=4": {("all-reduce", "expert")},
               # As under gpipe (BY_HAND): the gradient norm's per-leaf partial sums over the stages.
               "data=4 x pipeline=2, 1f1b": {("all-reduce", "pipeline")},
               "data=4 x pipeline=2, 1 + 2 layers": {("all-reduce", "pipeline")}}

@@ -91,9 +91,11 @@ MODELS = {
     "deepseek3": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2, num_mtp_layers=0,
                                       q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                       v_head_dim=20, rope_theta=500.0), {}),
-    # DeepSeek-V3's routing in every layer: sigmoid scores, 8 experts in 4 groups of which a token's best 2 hold its
-    # top 2, weights renormalised and scaled by 2.5, one ungated shared expert, and a selection bias (random here).
-    "deepseek3_moe": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=0, num_mtp_layers=0,
+    # DeepSeek-V3's layout: a first dense layer (its MLP 96 wide), then routed ones: sigmoid scores, 8 experts in 4
+    # groups of which a token's best 2 hold its top 2, weights renormalised and scaled by 2.5, one ungated shared
+    # expert, and a selection bias (random here).
+    "deepseek3_moe": ("deepseek_v3", dict(LLAMA_SHAPE, num_hidden_layers=3, num_key_value_heads=4,
+                                          first_k_dense_replace=1, num_mtp_layers=0,
                                           q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                           v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                                           topk_group=2, moe_intermediate_size=24, n_shared_experts=1,

@@ -37,6 +37,10 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
                                  "mla.rope_dim": 8, "mla.v_dim": 16},
             "latent attention tensor=2": {"model.family": "llama", "model.head_width": 24, "mla.kv_rank": 16,
                                           "mla.rope_dim": 8, "mla.v_dim": 16, "mesh.tensor": 2},
+            # DeepSeek-V3 in small: latent attention, a first dense layer with its own cache, sigmoid routing.
+            "deepseek": {"model.family": "llama", "model.num_layers": 3, "model.head_width": 24, "mla.kv_rank": 16,
+                         "mla.rope_dim": 8, "mla.v_dim": 16, "moe.experts": 4, "moe.dropless": True,
+                         "moe.first_dense": 1, "moe.score": "sigmoid", "moe.router_bias": True},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},

@@ -89,6 +89,12 @@ BAD = [
     ({"moe.experts": 8, "moe.groups": 3}, r"moe.groups=3 and moe.group_top_k=1 must split moe.experts=8 into equal"),
     ({"moe.experts": 8, "moe.top_k": 4, "moe.groups": 4}, r"moe.groups=4 and moe.group_top_k=1 must split moe.experts"),
     ({"moe.experts": 4, "moe.scale": 0.0}, r"moe.scale=0.0 must be a finite number > 0"),
+    ({"moe.first_dense": 1}, r"moe.first_dense=1 and moe.dense_width=0 set the dense layers before the routed ones, "
+                             r"but moe.experts=0 routes none"),
+    ({"moe.experts": 4, "moe.first_dense": 2}, r"moe.first_dense=2 and moe.dense_width=0: the dense layers before "
+                                               r"the routed ones must leave at least one of model.num_layers=2"),
+    ({"moe.experts": 4, "model.num_layers": 3, "moe.first_dense": 1, "mesh.pipeline": 2, "mesh.data": 4},
+     r"moe.first_dense=1: the dense layers are a stack of their own, which meshlm's pipelines do not split"),
     ({"moe.experts": 4, "moe.bias_rate": 0.001}, r"moe.bias_rate=0.001 must be a finite number >= 0, and above 0 only "
                                                  r"with moe.router_bias=True"),
     ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "mesh.pipeline": 2, "mesh.data": 4},

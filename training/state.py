@@ -30,7 +30,8 @@ def model_config(config) -> ModelConfig:
   model, moe = config.model, config.moe
   fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(model, f.name)}
   return ModelConfig(**fields, compute_dtype=config.precision.compute, num_experts=moe.experts,
-                     moe_every=moe.every, moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
+                     moe_every=moe.every, moe_first_dense=moe.first_dense, moe_dense_width=moe.dense_width,
+                     moe_top_k=moe.top_k, moe_capacity_factor=moe.capacity_factor,
                      moe_dropless=moe.dropless, moe_renormalize=moe.renormalize, moe_shared_width=moe.shared_width,
                      moe_balance_weight=moe.balance_weight, moe_z_weight=moe.z_weight, moe_score=moe.score,
                      moe_groups=moe.groups, moe_group_top_k=moe.group_top_k, moe_scale=moe.scale,
