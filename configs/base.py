@@ -146,6 +146,7 @@ def base() -> ml_collections.ConfigDict:
   c.mla.q_rank = 0  # 0: queries projected from the input directly (DeepSeek-V2-Lite)
   c.mla.rope_dim = 0
   c.mla.v_dim = 0
+  c.mla.score_scale = 1.0  # scores times this beyond 1/sqrt(head_width): DeepSeek's YaRN (0.1 m ln factor + 1)^2
 
   c.attention = ml_collections.ConfigDict()
   c.attention.context = "allgather"  # over a sharded `length`: allgather | ring | ulysses

@@ -440,9 +440,19 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
   layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
   routed = bool(hf.get("n_routed_experts")) and dense < layers
   nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
-  fields = {**_llama_fields(hf, where, "deepseek3"), "head_width": nope + rope, "kv_heads": 0,
-            "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0, "mla.rope_dim": rope,
-            "mla.v_dim": hf["v_head_dim"]}
+  rotary = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+  mscale, mscale_all_dim = (rotary.get(name) for name in _YARN_REFUSED)
+  plain = {key: value for key, value in rotary.items() if key not in _YARN_REFUSED}
+  fields = {**_llama_fields({**hf, "rope_parameters": plain}, where, "deepseek3"), "head_width": nope + rope,
+            "kv_heads": 0, "mla.kv_rank": hf["kv_lora_rank"], "mla.q_rank": hf.get("q_lora_rank") or 0,
+            "mla.rope_dim": rope, "mla.v_dim": hf["v_head_dim"]}
+  if fields["rope_type"] == "yarn" and (mscale or mscale_all_dim):  # DeepSeek's own YaRN attention factors
+    factor = fields["rope_factor"]
+    if not fields.get("rope_attention_factor"):
+      fields["rope_attention_factor"] = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                         if mscale and mscale_all_dim else _yarn_mscale(factor))
+    if mscale_all_dim:
+      fields["mla.score_scale"] = _yarn_mscale(factor, mscale_all_dim) ** 2
   if not routed:
     return fields
   width = hf["moe_intermediate_size"]
@@ -454,12 +464,32 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
           "moe.first_dense": dense, "moe.dense_width": hf["intermediate_size"] if dense else 0}
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention factor for a context `factor` times longer, as DeepSeek parametrises it."""
+  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   rope = cfg.mla_rope_dim
   written = {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
              "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
              "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
              "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
+  if cfg.mla_score_scale != 1.0:  # as mscale_all_dim, beside the rotary's own attention factor written out
+    if cfg.rope_type != "yarn" or cfg.rope_factor <= 1:
+      raise ValueError(f"mla.score_scale={cfg.mla_score_scale}: DeepseekV3ForCausalLM scales its scores only through "
+                       "YaRN's mscale_all_dim; export a model with model.rope_type=yarn and rope_factor > 1, or with "
+                       "score_scale 1.")
+    # Both mscales from the two factors they set (rounded to 12 digits, past float arithmetic's noise), so an
+    # imported DeepSeek config is written back as it was read.
+    log_factor = 0.1 * math.log(cfg.rope_factor)
+    mscale_all_dim = round((cfg.mla_score_scale ** 0.5 - 1.0) / log_factor, 12)
+    attention_factor = cfg.rope_attention_factor or _yarn_mscale(cfg.rope_factor)
+    mscale = round((attention_factor * _yarn_mscale(cfg.rope_factor, mscale_all_dim) - 1.0) / log_factor, 12)
+    rotary = {**{k: v for k, v in written["rope_parameters"].items() if k != "attention_factor"},
+              "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    written = {**written, "rope_parameters": rotary,
+               "rope_scaling": {k: v for k, v in rotary.items() if k != "rope_theta"}}
   if not cfg.num_experts:
     return written
   routing = {"moe.score": (cfg.moe_score, "sigmoid"), "moe.shared_gate": (cfg.moe_shared_gate, False),

@@ -90,7 +90,8 @@ def _layer(run, d: Dims, remat: str, chunked: bool = True, recomputed: bool = Fa
   the run's micro-batch, positions and tensor shards, so one trace serves every length and layout.
   """
   return _traced_layer(dataclasses.replace(
-      run.model, num_layers=1, num_experts=0, global_every=0, local_rope_theta=0.0, max_len=PROBE_POSITIONS, remat=remat,
+      run.model, num_layers=1, num_experts=0, moe_first_dense=0, moe_dense_width=0, global_every=0, local_rope_theta=0.0,
+      max_len=PROBE_POSITIONS, remat=remat,
       attention="xla",
       attention_block=PROBE_POSITIONS // 2 if d.blockwise else 2 * PROBE_POSITIONS,
       mlp_chunk=PROBE_POSITIONS // 2 if chunked and d.mlp_chunks > 1 else 0, loss_chunk=PROBE_POSITIONS,

@@ -55,6 +55,7 @@ class ModelConfig:
   mla_q_rank: int = 0
   mla_rope_dim: int = 0
   mla_v_dim: int = 0
+  mla_score_scale: float = 1.0  # scores times this beyond 1/sqrt(head_width) (DeepSeek's YaRN mscale_all_dim)
   # llama: rotary frequencies rescaled for a longer context (model/rotary.py rotary_frequencies):
   rope_type: str = "default"  # default | linear | llama3 | yarn | dynamic
   rope_factor: float = 1.0  # linear, llama3, yarn, dynamic: how many times longer the context than in pre-training
@@ -221,7 +222,7 @@ class ModelConfig:
                        "scaled by the head width, as usual).")
     if self.mup_base_width:
       self._check_mup()
-    if self.mla_kv_rank or self.mla_q_rank or self.mla_rope_dim or self.mla_v_dim:
+    if self.mla_kv_rank or self.mla_q_rank or self.mla_rope_dim or self.mla_v_dim or self.mla_score_scale != 1.0:
       self._check_mla()
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
@@ -292,6 +293,9 @@ class ModelConfig:
                        f"mla.v_dim={v} do not describe latent attention with heads {h} wide: kv_rank > 0, q_rank >= 0, "
                        "an even rope_dim below the head width and 0 < v_dim <= head width (DeepSeek-V3: 512, 1536, 64 "
                        "and 128 with heads 192 wide).")
+    if not (math.isfinite(self.mla_score_scale) and self.mla_score_scale > 0):
+      raise ValueError(f"mla.score_scale={self.mla_score_scale} must be a finite number > 0 (1: scores over "
+                       "sqrt(head width) only; DeepSeek-V3's YaRN: (0.1 ln 40 + 1)^2 = 1.87).")
     traits = self.traits
     if not traits.rotary or traits.qkv_bias or traits.qk_norm:
       raise ValueError(f"mla.kv_rank={self.mla_kv_rank} with model.family={self.family!r}: latent attention replaces "

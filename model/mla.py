@@ -54,6 +54,8 @@ class LatentAttention(nnx.Module):
     if cfg.mla_q_rank:
       x_BTD = self.q_norm(matmul("btd,dq->btq", x_BTD, self.q_down_kernel[...], cfg.dtype, cfg.fp8))
     q_BTNH = matmul("btq,qnh->btnh", x_BTD, self.q_kernel[...], cfg.dtype, cfg.fp8)
+    if cfg.mla_score_scale != 1.0:  # every score scaled: DeepSeek's YaRN mscale_all_dim
+      q_BTNH = q_BTNH * jnp.asarray(cfg.mla_score_scale, q_BTNH.dtype)
     nope = cfg.head_dim - cfg.mla_rope_dim
     return jnp.concatenate([q_BTNH[..., :nope], rotary(q_BTNH[..., nope:], positions_T, cfg, adjacent=True)], -1)
 

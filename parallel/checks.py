@@ -41,8 +41,9 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
   if zero == 3:
     axis = EXPERT if fsdp_group else DATA
     _divides("model.embed_dim", model.embed_dim, f"mesh.{axis} (FSDP shards it)", shape[axis])
-    latents = {"mla.q_rank": model.mla_q_rank, "mla.kv_rank": model.mla_kv_rank,
-               "mla.kv_rank + mla.rope_dim": model.mla_kv_rank + model.mla_rope_dim} if model.mla_kv_rank else {}
+    # The latent axis where a weight has no `embed` (the up-projections, the latents' norms); the down-projections
+    # split by `embed` instead.
+    latents = {"mla.q_rank": model.mla_q_rank, "mla.kv_rank": model.mla_kv_rank} if model.mla_kv_rank else {}
     for what, width in latents.items():
       _divides(what, width, f"mesh.{axis} (FSDP shards the latent axis)", shape[axis])
   if grad_accum < 1 or batch_size % grad_accum:

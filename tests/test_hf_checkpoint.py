@@ -86,11 +86,15 @@ MODELS = {
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
                {}),
     # DeepSeek-V3's latent attention with every layer dense: queries through a rank-12 latent, keys and values from a
-    # rank-16 one, 8 rotary dimensions in adjacent pairs beside 16 without, values 20 wide; and V2-Lite's queries
-    # projected directly.
+    # rank-16 one, 8 rotary dimensions in adjacent pairs beside 16 without, values 20 wide, and DeepSeek's YaRN
+    # from a context of 8 (its mscale and mscale_all_dim set apart: cos and sin, and every score, scaled); and
+    # V2-Lite's queries projected directly.
     "deepseek3": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2, num_mtp_layers=0,
                                       q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                      v_head_dim=20, rope_theta=500.0), {}),
+                                      v_head_dim=20, max_position_embeddings=64, rope_parameters={
+                                          "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 8, "mscale": 1.0,
+                                          "mscale_all_dim": 0.8}), {}),
     # DeepSeek-V3's layout: a first dense layer (its MLP 96 wide), then routed ones: sigmoid scores, 8 experts in 4
     # groups of which a token's best 2 hold its top 2, weights renormalised and scaled by 2.5, one ungated shared
     # expert, and a selection bias (random here).

@@ -89,6 +89,8 @@ BAD = [
     ({"moe.experts": 8, "moe.groups": 3}, r"moe.groups=3 and moe.group_top_k=1 must split moe.experts=8 into equal"),
     ({"moe.experts": 8, "moe.top_k": 4, "moe.groups": 4}, r"moe.groups=4 and moe.group_top_k=1 must split moe.experts"),
     ({"moe.experts": 4, "moe.scale": 0.0}, r"moe.scale=0.0 must be a finite number > 0"),
+    ({"model.family": "llama", "mla.kv_rank": 16, "mla.rope_dim": 4, "mla.v_dim": 8, "mla.score_scale": 0.0},
+     r"mla.score_scale=0.0 must be a finite number > 0"),
     ({"moe.first_dense": 1}, r"moe.first_dense=1 and moe.dense_width=0 set the dense layers before the routed ones, "
                              r"but moe.experts=0 routes none"),
     ({"moe.experts": 4, "moe.first_dense": 2}, r"moe.first_dense=2 and moe.dense_width=0: the dense layers before "

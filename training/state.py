@@ -37,7 +37,8 @@ def model_config(config) -> ModelConfig:
                      moe_groups=moe.groups, moe_group_top_k=moe.group_top_k, moe_scale=moe.scale,
                      moe_shared_gate=moe.shared_gate, moe_router_bias=moe.router_bias, moe_bias_rate=moe.bias_rate,
                      mup_base_width=config.mup.base_width, mla_kv_rank=config.mla.kv_rank,
-                     mla_q_rank=config.mla.q_rank, mla_rope_dim=config.mla.rope_dim, mla_v_dim=config.mla.v_dim)
+                     mla_q_rank=config.mla.q_rank, mla_rope_dim=config.mla.rope_dim, mla_v_dim=config.mla.v_dim,
+                     mla_score_scale=config.mla.score_scale)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
