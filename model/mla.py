@@ -21,8 +21,8 @@ from flax import nnx
 from model.attention import attention, blockwise_attention
 from model.config import ModelConfig
 from model.layers import INIT_STD, RMSNorm, matmul, param
-from model.rotary import rotary
 from model.placement import constrain
+from model.rotary import rotary
 
 LATENT_CACHE_AXES = ("batch", "length", None, None)  # [B, S, 1, latent or rotary key]: one shared "head"
 
@@ -45,7 +45,8 @@ class LatentAttention(nnx.Module):
     self.kv_down_kernel = param(rngs, (d, c + r), ("embed", "latent"))
     self.kv_norm = RMSNorm(c, cfg.epsilon, axis="latent")
     self.kv_up_kernel = param(rngs, (c, n, h - r + v), ("latent", "heads", "head_dim"))
-    self.out_kernel = param(rngs, (n, v, d), ("heads", "head_dim", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.out_kernel = param(rngs, (n, v, d), ("heads", "head_dim", "embed"),
+                            std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
     self.cfg = cfg
 
   def queries(self, x_BTD, positions_T):

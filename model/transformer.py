@@ -112,8 +112,8 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, 
   if live:
     apply_block = _unless_dead(apply_block)
   if cfg.scan_layers:
-    return nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, 0, *[0] * len(live)), out_axes=(nnx.Carry, 0))(
-        x_BTD, blocks, positions_T, segments_BT, kinds_L, *live)
+    scanned = nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, 0, *[0] * len(live)), out_axes=(nnx.Carry, 0))
+    return scanned(x_BTD, blocks, positions_T, segments_BT, kinds_L, *live)
   # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
   # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
   # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
@@ -306,7 +306,8 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
-  graphdef, stack, head = nnx.split(model, nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED)), ...)
+  stacks = nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED))
+  graphdef, stack, head = nnx.split(model, stacks, ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):

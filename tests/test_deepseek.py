@@ -14,7 +14,8 @@ from training.checkpoint import Checkpoints
 from training.state import abstract_inputs, plan
 
 # A first dense layer (its MLP 96 wide), then 8 experts in 4 groups, a token's top 2 within its best 2 groups,
-# weights renormalised and scaled by 2.5, a shared expert beside them; balanced by the bias alone (no auxiliary loss), at a rate that moves it visibly in 3 steps.
+# weights renormalised and scaled by 2.5, a shared expert beside them; balanced by the bias alone (no auxiliary
+# loss), at a rate that moves it visibly in 3 steps.
 DEEPSEEK = {"model.family": "llama", "model.num_layers": 3, "moe.first_dense": 1, "moe.dense_width": 96,
             "moe.experts": 8, "moe.top_k": 2, "moe.dropless": True, "moe.score": "sigmoid",
             "moe.groups": 4, "moe.group_top_k": 2, "moe.scale": 2.5, "moe.shared_width": 32,
