@@ -579,7 +579,7 @@ class FamilyMapping:
   model_type: str  # config.json's `model_type`
   family: str  # meshlm's model.family, registered in model/families.py (tests/test_families.py holds the two alike)
   experts: bool | None  # whether its feed-forward layers are mixtures of experts (moe.experts > 0); None: either
-  shared: bool | None  # whether its experts have a shared one beside them (moe.shared_width > 0); None: either
+  shared: bool  # whether its experts have a shared one beside them (moe.shared_width > 0)
   windowed: bool  # whether its attention may slide a window (config.json's sliding_window: model.sliding_window)
   refused: tuple  # (field, transformers' default, what meshlm computes instead)
   fields: Callable[[dict, str], dict]  # config.json -> config.model fields (config.moe's as "moe.NAME")
@@ -590,7 +590,8 @@ class FamilyMapping:
 
   def holds(self, cfg: ModelConfig) -> bool:
     """Whether the architecture holds cfg's experts, shared expert and window, whatever cfg's family."""
-    return (self.experts in (None, bool(cfg.num_experts)) and self.shared in (None, bool(cfg.moe_shared_width))
+    return (self.experts in (None, bool(cfg.num_experts))
+            and (not cfg.num_experts or self.shared == bool(cfg.moe_shared_width))
             and (self.windowed or not cfg.sliding_window))
 
   @property
@@ -639,7 +640,7 @@ MAPPINGS = {mapping.architecture: mapping for mapping in (
                                                ("Gemma3ForCausalLM", "gemma3_text", "gemma3"))),
     dataclasses.replace(_rotary("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek3", _DEEPSEEK_REFUSED,
                                 fields=_deepseek_fields, config=_deepseek_config),
-                        experts=None, shared=None, tensors=deepseek_tensors),
+                        experts=None, shared=True, tensors=deepseek_tensors),
     _rotary("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3", _QWEN3_REFUSED + _EVERY_LAYER_EXPERTS, QWEN_MOE_EXPERTS,
             # transformers' default norm_topk_prob is False; the released Qwen3-MoE checkpoints set it True.
             functools.partial(_expert_fields, family="qwen3", width="moe_intermediate_size", renormalize=False),
