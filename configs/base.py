@@ -93,6 +93,10 @@ def base() -> ml_collections.ConfigDict:
   c.model.sliding_window = 0  # W > 0: each query sees the W latest positions up to its own (Mistral); 0: all
   c.model.attention_softcap = 0.0  # C > 0: attention scores s soft-capped to C tanh(s / C) (Gemma 2: 50.0); 0: off
   c.model.logit_softcap = 0.0  # C > 0: output logits z soft-capped to C tanh(z / C) (Gemma 2: 30.0); 0: off
+  # D > 0: D multi-token prediction modules after the stack, the k-th predicting token i+k+1 (DeepSeek-V3: 1);
+  # their mean cross-entropy joins the objective at mtp_weight (DeepSeek-V3: 0.3); 0: next token only
+  c.model.mtp_depth = 0
+  c.model.mtp_weight = 0.3
   c.model.global_every = 0  # k > 0: every k-th layer global, the rest within sliding_window (Gemma 2: 2); 0: all alike
   c.model.local_rope_theta = 0.0  # with global_every: the local layers' rotary base, unscaled (Gemma 3: 10000)
   c.model.attention_scale_width = 0  # scores scaled by 1/sqrt(this) (Gemma 2's query_pre_attn_scalar); 0: head width

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from configs.load import with_fields
 from interop import hf_mapping
 from model.config import ModelConfig
-from model.transformer import DENSE_STACKED, STACKED
+from model.stack import DENSE_STACKED, STACKED
 
 STACKS = (STACKED, DENSE_STACKED)  # the parameters with a leading layer axis
 from training.state import Layout, model_config

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from model.config import ModelConfig
 from model.families import FAMILIES
-from model.transformer import DENSE_STACKED, STACKED, dense_layers_config
+from model.stack import DENSE_STACKED, STACKED, dense_layers_config
 
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
 

@@ -20,7 +20,8 @@ from jax.extend import core as jax_core
 from measure.sizes import dims, held_layers, run_of, stage_elements, stage_layers, stage_units
 from model.attention import largest_divisor
 from model.config import ModelConfig
-from model.transformer import chunk_count, chunk_positions, scan_blocks
+from model.stack import scan_blocks
+from model.transformer import chunk_count, chunk_positions
 from parallel import context, schedules
 from parallel.costs import F32_BYTES, MASTER_BYTES, Dims, Weight
 from parallel.mesh import PIPELINE, TENSOR
@@ -241,7 +242,11 @@ def activations(run, d: Dims, weights: list[Weight]) -> int:
   layer, (copies, held) = _layer(run, d, run.model.remat), held_layers(run, mesh)
   saved = layer.saved_bytes(d)
   if mesh[PIPELINE] == 1:
-    return held * saved + max(working, loss)
+    # Each multi-token prediction module (model/mtp.py; refused with a pipeline) saves what a layer does, and its
+    # loss keeps the gradients for its input and the head (the custom VJP's residuals, _loss_bytes' last two
+    # terms) until the backward pass reaches it.
+    modules = run.model.mtp_depth * (saved + d.activation_bytes(d.embed) + d.embed * d.vocab * f32)
+    return held * saved + modules + max(working, loss)
   stages, micro = mesh[PIPELINE], run.pipeline.microbatches
   # Unequal stages gather each device's chunks whole for the step, in float32, and their gradients beside them
   # (parallel/pipeline.py `_stage_view`).

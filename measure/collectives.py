@@ -7,9 +7,10 @@ schedule's, the context strategy's, expert dispatch's, the optimizer's). Keys ar
 import collections
 import math
 
-from measure.sizes import (compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
-                           optimizer_of, routed_layers, run_of, stage_elements, stage_layers, stage_units,
-                           stored_table)
+from measure.sizes import (blocks_run, compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes,
+                           optimizer_costs, optimizer_of, routed_layers, run_of, stage_elements, stage_layers,
+                           stage_units, stored_table)
+from model.mtp import MTP
 from parallel import context, experts, rules, schedules
 from parallel.costs import (F32_BYTES, MASTER_BYTES, Weight, all_reduce, axes_key, gather, shard_elements,
                             sharded_over)
@@ -55,7 +56,9 @@ def _gradients(run, mesh, weights, traffic):
   rest once. Each micro-batch
   of gradient accumulation reduces its own gradients. A tied embedding is used
   twice (lookup and head): XLA all-reduces the two uses' gradients apart,
-  but sums them before a reduce-scatter. A pipeline (parallel/pipeline.py)
+  but sums them before a reduce-scatter; each multi-token prediction module
+  (model/mtp.py) uses the weights outside the layers again, reduced or
+  scattered apart. A pipeline (parallel/pipeline.py)
   reduces once per step what its devices summed locally: the weights outside
   the stages over `pipeline` as well (the tied embedding's two uses
   together), and under ZeRO-3 gathers every weight once.
@@ -77,6 +80,8 @@ def _gradients(run, mesh, weights, traffic):
     fsdp = zero == 3 and zero_splits(rules.weight_rules(3, axis))
     scatter = axis in token_axes and zero_splits(rules.optimizer_rules(zero, axis))
     uses = 2 if tied and w.axes == ("vocab", "embed") and not (scatter or pipelined) else 1
+    if not (w.stacked or pipelined):  # and apart again for each multi-token prediction module's use
+      uses *= 1 + run.model.mtp_depth
     # An expert weight lives on its experts' devices: its gradient is summed over the other token axes.
     # Under a pipeline a weight not split over `pipeline` (those outside the stages, and a stack of unequal
     # stages' weights without an `embed` axis) is also summed over it.
@@ -96,7 +101,9 @@ def _gradients(run, mesh, weights, traffic):
       traffic[("all-gather", axis)] += gathers * gather(used, mesh[axis])
     if fsdp:
       gathered = used // param_bytes * _gathered_bytes(run, w, weights)
-      traffic[("all-gather", axis)] += accum * (2 if w.stacked and not pipelined else 1) * gather(gathered, mesh[axis])
+      # A scanned stack's forward and backward loops gather apart; the prediction modules are no loop (model/mtp.py).
+      scanned = w.stacked and w.path[:1] != (MTP,) and not pipelined
+      traffic[("all-gather", axis)] += accum * (2 if scanned else 1) * gather(gathered, mesh[axis])
 
 
 def _optimizer(run, mesh, weights, traffic):
@@ -131,14 +138,15 @@ def _tensor_parallel(run, mesh, traffic):
   d, t = dims(run, mesh), mesh[TENSOR]
   forward, backward = layer_passes(run, mesh)
   layers = stage_layers(run, mesh)
+  blocks = blocks_run(run, mesh)  # multi-token prediction's blocks too (model/mtp.py)
   tokens = all_reduce(d.activation_bytes(d.embed), t)
-  per_stage = layers * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
+  per_stage = blocks * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
   m = run.model
   # Latent attention (model/mla.py) projects its input to latents on every device (replicated weights): the
   # heads' partial gradients are summed where they meet, at the latents (q_rank, or the input where the queries
   # have none, and kv_rank + rope_dim wide), not at the input.
   latents = all_reduce(d.activation_bytes((m.mla_q_rank or d.embed) + m.mla_kv_rank + m.mla_rope_dim), t)
-  backward_stage = per_stage + layers * (latents - tokens) if m.mla_kv_rank else per_stage
+  backward_stage = per_stage + blocks * (latents - tokens) if m.mla_kv_rank else per_stage
   if m.num_experts:
     # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
     capacity = expert_slots(m, d.full_length)
@@ -148,7 +156,9 @@ def _tensor_parallel(run, mesh, traffic):
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(run, mesh[PIPELINE])
-  traffic[("all-reduce", TENSOR)] += forward * per_stage + backward * backward_stage + micro * all_reduce(outside, t)
+  # Each prediction module looks its tokens up and runs the head again.
+  traffic[("all-reduce", TENSOR)] += (forward * per_stage + backward * backward_stage
+                                      + (1 + m.mtp_depth) * micro * all_reduce(outside, t))
 
 
 def _pipeline(run, mesh, traffic):
@@ -186,7 +196,7 @@ def _context(run, mesh, traffic):
   forward, backward = layer_passes(run, mesh)
   layers = stage_layers(run, mesh)  # a pipeline stage's
   for key, (in_forward, in_backward) in context.STRATEGIES[run.attention.context].sent(d, shards).items():
-    traffic[key] += layers * (forward * in_forward + backward * in_backward)
+    traffic[key] += blocks_run(run, mesh) * (forward * in_forward + backward * in_backward)
   if mesh[PIPELINE] > 1 and run.model.num_experts:
     # In a pipeline stage a MoE layer routes the whole sequence, gathered over `sequence` (parallel/context.py
     # whole_length), and its input's gradient is reduce-scattered back.

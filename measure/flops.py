@@ -4,8 +4,8 @@ cost); and the textbook's ideal, 6N per token plus attention."""
 
 import math
 
-from measure.sizes import (dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs, optimizer_of,
-                           routed_layers, run_of, stage_elements, stage_layers)
+from measure.sizes import (blocks_run, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
+                           optimizer_of, routed_layers, run_of, stage_elements, stage_layers)
 from parallel import context, rules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
@@ -25,7 +25,8 @@ def stage_forward(run, d: Dims, mesh, weights) -> dict[str, int]:
   run = run_of(run)
   layers = stage_layers(run, mesh)
   matrices = lambda keep: sum(stage_elements(run, mesh, w) for w in weights if w.stacked and is_matrix(w) and keep(w))
-  attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * layers
+  # Multi-token prediction's blocks attend as the layers do; their matrices are among the stacked weights already.
+  attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * blocks_run(run, mesh)
   attention = context.scored_flops(d.context, attention, mesh[SEQUENCE])
   parts = {"dense": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes),
            "mlp_in": 2 * d.tokens * matrices(lambda w: "expert" not in w.axes and w.axes[-2:] == ("embed", "mlp")),
@@ -85,7 +86,8 @@ def flops(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   if context.visiting(d.context):  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does
     recompute += parts["scores"]
   head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
-  head = 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
+  heads = 1 + run.model.mtp_depth  # each prediction module scores every position through the head too
+  head = heads * 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,
          "optimizer": optimizer_flops(run, mesh, weights)}
   return {**out, "total": sum(out.values())}
@@ -104,8 +106,8 @@ def ideal_flops(run, mesh: dict, weights: list[Weight]) -> int:
   dense = sum(math.prod(w.shape) for w in weights if w.stacked and is_matrix(w) and "expert" not in w.axes)
   experts = sum(math.prod(w.shape) for w in weights if w.stacked and is_matrix(w) and "expert" in w.axes)
   active = experts * m.moe_top_k // m.num_experts if m.num_experts else 0
-  head = sum(math.prod(w.shape) for w in head_weights(run, weights))
-  per_token = 6 * (dense + active + head) + 12 * m.num_layers * m.max_len * m.embed_dim
+  head = sum(math.prod(w.shape) for w in head_weights(run, weights)) * (1 + m.mtp_depth)
+  per_token = 6 * (dense + active + head) + 12 * (m.num_layers + m.mtp_depth) * m.max_len * m.embed_dim
   return run.batch_size * m.max_len * per_token // math.prod(mesh.values())
 
 

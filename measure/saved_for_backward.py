@@ -26,7 +26,7 @@ from jax.extend import core as jax_core
 
 from model.attention import kernel
 from model.config import ModelConfig
-from model.transformer import scan_blocks
+from model.stack import scan_blocks
 from training.state import build_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -153,6 +153,13 @@ def stage_layers(run, mesh: dict) -> int:
   return schedules.virtual_stages(run.pipeline) * stage_split.slots(units) * run.model.layers_per_unit
 
 
+def blocks_run(run, mesh: dict) -> int:
+  """The blocks one device runs per micro-batch: its stage's layers (stage_layers), and one block per multi-token
+  prediction module (model/mtp.py), which only runs without a pipeline."""
+  run = run_of(run)
+  return stage_layers(run, mesh) + run.model.mtp_depth
+
+
 def routed_layers(model, layers: int) -> int:
   """The MoE layers among a stage's `layers`: every moe_every-th after the first moe_first_dense dense ones
   (which a pipeline never splits: parallel/checks.py)."""

@@ -39,6 +39,10 @@ class ModelConfig:
   # scores scaled by 1 / sqrt(this) rather than the head width (Gemma 2's query_pre_attn_scalar); 0: the head width
   attention_scale_width: int = 0
   logit_softcap: float = 0.0  # C > 0: each output logit z as C tanh(z / C) (Gemma 2: 30); 0: off
+  # D > 0: D multi-token prediction modules after the stack, the k-th predicting token i+k+1 (model/mtp.py;
+  # DeepSeek-V3: 1), their mean cross-entropy added to the objective at mtp_weight (DeepSeek-V3: 0.3, then 0.1)
+  mtp_depth: int = 0
+  mtp_weight: float = 0.3
   loss_chunk: int = 4096  # positions per chunk of the head and loss; plan() converts the config's tokens per device
   mlp_chunk: int = 0  # positions per chunk of a dense feed-forward layer, 0 the whole sequence; as loss_chunk
   # plan() sets it under hybrid sharding: look tokens up in the table with its `embed` axis gathered
@@ -193,6 +197,8 @@ class ModelConfig:
     if self.attention_softcap and self.attention == "cudnn":
       raise ValueError(f"model.attention=cudnn cannot soft-cap attention scores (model.attention_softcap="
                        f"{self.attention_softcap}): JAX's cuDNN attention takes no cap; use model.attention=auto or xla.")
+    if self.mtp_depth:
+      self._check_mtp()
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
@@ -227,6 +233,14 @@ class ModelConfig:
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(
           f"precision.compute={self.compute_dtype!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}.")
+
+  def _check_mtp(self):
+    if not 0 < self.mtp_depth < self.max_len:
+      raise ValueError(f"model.mtp_depth={self.mtp_depth} must be a number of prediction modules from 1 to "
+                       f"model.max_len - 1 = {self.max_len - 1} (DeepSeek-V3: 1), or 0 for none.")
+    if not (math.isfinite(self.mtp_weight) and self.mtp_weight > 0):
+      raise ValueError(f"model.mtp_weight={self.mtp_weight} must be a finite weight > 0 on the prediction modules' "
+                       "loss (DeepSeek-V3: 0.3, later 0.1); set model.mtp_depth=0 for no modules.")
 
   def _check_global_every(self):
     if self.global_every < 1:

@@ -23,7 +23,7 @@ from flax import nnx
 from model.attention import blockwise_attention, per_layer_window
 from model.config import ModelConfig
 from model.placement import constrain
-from model.transformer import ACTIVATION_AXES, DENSE_STACKED, Unit, layer_kinds
+from model.stack import ACTIVATION_AXES, DENSE_STACKED, Unit, layer_kinds
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
 

@@ -1,4 +1,4 @@
-"""What every family shares: the scanned stack of blocks, the loss, and the three-part interface.
+"""What every family shares: the loss and the three-part interface around the stack of blocks (model/stack.py).
 
 A model is embed(tokens, positions) -> x, a scanned stack of identical blocks
 (parameters stacked under STACKED on a leading `layers` axis), and
@@ -7,143 +7,18 @@ parts across stages, so nothing here knows about stages, devices or meshes.
 Positions are explicit so a context strategy may reorder the sequence.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from model.attention import ATTENTION_OUT
+from model import mtp
 from model.config import ModelConfig
 from model.layers import soft_capped
 from model.moe import AUX_LOSS, MoE, summarize
 from model.placement import constrain, current, placed, shard_count
-
-ACTIVATION_AXES = ("batch", "length", "embed")
-STACKED = "blocks"  # the parameters stacked on a leading `layers` axis, which pipelines split into stages
-DENSE_STACKED = "dense_blocks"  # moe.first_dense's dense layers, a stack of their own run before STACKED
-BLOCK_INPUT = "block_input"  # the name full_offload moves to host memory
-
-
-def _offloaded(*names):
-  """A policy that keeps nothing on the device: `names` wait in host memory until the backward pass."""
-  return jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-      offload_src="device", offload_dst="pinned_host")
-
-
-CHECKPOINT_POLICIES = {  # model.remat: what the backward pass keeps rather than recomputes
-    "full": None,  # nothing: the whole block is recomputed
-    # as full, and each block's input (what full still keeps per layer) parked in host memory:
-    # the device holds one layer's activations whatever the depth (MaxText's offloaded decoder inputs)
-    "full_offload": _offloaded(BLOCK_INPUT),
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight matmuls' outputs
-    "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),  # attention's output
-    "offload": _offloaded(ATTENTION_OUT),  # attention's output, in host memory until the backward pass
-}
-
-
-class Unit(nnx.Module):
-  """moe_every consecutive blocks, the last with a mixture-of-experts feed-forward layer.
-
-  Scanning wants identical units, so a model whose every k-th layer is MoE scans over k-tuples of blocks
-  rather than over single blocks.
-  """
-
-  def __init__(self, block_class, cfg: ModelConfig, rngs: nnx.Rngs):
-    last = cfg.layers_per_unit - 1
-    self.layers = nnx.List([block_class(cfg, rngs, moe=i == last) for i in range(cfg.layers_per_unit)])
-
-  def __call__(self, x_BTD, positions_T, segments_BT=None):
-    for layer in self.layers:
-      x_BTD, stats = layer(x_BTD, positions_T, segments_BT)
-    return x_BTD, stats  # the last layer's: the MoE one
-
-
-def layer_kinds(cfg: ModelConfig, units_L=None) -> dict:
-  """What a block needs to know of its place in the stack, as keyword arguments for the units `units_L` (the
-  stack's own order when None), each a per-unit array for a scan: with model.global_every, `global_layer`,
-  whether the layer attends over the whole causal context (model/attention.py `attention`); {} otherwise."""
-  if not cfg.global_every:
-    return {}
-  units_L = jnp.arange(cfg.num_units) if units_L is None else units_L
-  return {"global_layer": jnp.asarray(cfg.global_layers)[units_L]}
-
-
-def dense_layers_config(cfg: ModelConfig) -> ModelConfig:
-  """The config moe.first_dense's dense layers run with: no experts, their own MLP width."""
-  return dataclasses.replace(cfg, num_experts=0, moe_first_dense=0, moe_dense_width=0,
-                             mlp_dim=cfg.moe_dense_width or cfg.mlp_dim)
-
-
-def stacked(block_class, cfg: ModelConfig, rngs: nnx.Rngs, units: int | None = None):
-  """One unit (a block, or a Unit of several) whose every parameter has a leading `layers` axis of size `units`
-  (num_units when None)."""
-
-  @nnx.split_rngs(splits=units or cfg.num_units)
-  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-  def make(rngs):
-    return Unit(block_class, cfg, rngs) if cfg.num_experts else block_class(cfg, rngs)
-
-  return make(rngs)
-
-
-def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None, units_L=None):
-  """Run the stacked units in order with nnx.scan, under the configured remat policy.
-
-  Returns the output and each unit's router statistics stacked on a leading axis ({} when dense).
-  With `live_L`, a unit where it is False is skipped (lax.cond: no work), its statistics zero: the
-  slots beyond a shorter pipeline chunk's units (parallel/stages.py). `units_L` says which of the model's
-  units the stacked ones are (a pipeline stage's share; layer_kinds), the whole stack in order when None.
-  """
-
-  def apply_block(x_BTD, block, positions_T, segments_BT, kinds):
-    # Named so that every use inside the block reads the named value: under full_offload the
-    # host copy is then the block's only residual, and the device copy dies with the forward pass.
-    x_BTD, stats = block(checkpoint_name(x_BTD, BLOCK_INPUT), positions_T, segments_BT, **kinds)
-    return constrain(x_BTD, ACTIVATION_AXES), stats
-
-  if cfg.remat != "none":
-    apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
-  kinds_L = layer_kinds(cfg, units_L)
-  live = () if live_L is None else (live_L,)
-  if live:
-    apply_block = _unless_dead(apply_block)
-  if cfg.scan_layers:
-    scanned = nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, 0, *[0] * len(live)), out_axes=(nnx.Carry, 0))
-    return scanned(x_BTD, blocks, positions_T, segments_BT, kinds_L, *live)
-  # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
-  # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
-  # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
-  graphdef, stack = nnx.split(blocks)
-  stats = []
-  for unit in range(jax.tree.leaves(stack)[0].shape[0]):
-    x_BTD, unit_stats = apply_block(x_BTD, nnx.merge(graphdef, jax.tree.map(lambda p: p[unit], stack)),
-                                    positions_T, segments_BT, jax.tree.map(lambda k_L: k_L[unit], kinds_L),
-                                    *(l_L[unit] for l_L in live))
-    stats.append(unit_stats)
-  return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
-
-
-def _unless_dead(apply_block):
-  """apply_block taking a `live` flag last: the block where it is True; where False (lax.cond: no work)
-  the input passed on and zero statistics."""
-  def apply(x_BTD, block, positions_T, segments_BT, kinds, live):
-    graphdef, state = nnx.split(block)
-    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT, kinds)
-    dead = lambda x_BTD, state: (x_BTD, jax.tree.map(_zeros_as, jax.eval_shape(run, x_BTD, state)[1]))
-    return jax.lax.cond(live, run, dead, x_BTD, state)
-  return apply
-
-
-def _zeros_as(shape: jax.ShapeDtypeStruct):
-  """Zeros of `shape`, varying over the manual axes it varies over inside a shard_map (lax.cond's branches
-  must agree on them)."""
-  varying = tuple(shape.manual_axis_type.varying)
-  zeros = jnp.zeros(shape.shape, shape.dtype)
-  return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+from model.stack import ACTIVATION_AXES, DENSE_STACKED, STACKED, dense_layers_config, scan_blocks, stacked
 
 
 def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
@@ -306,7 +181,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
-  stacks = nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED))
+  stacks = nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED), nnx.PathContains(mtp.MTP))
   graphdef, stack, head = nnx.split(model, stacks, ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
 
@@ -406,11 +281,14 @@ class LanguageModel(nnx.Module):
   """
 
   def stack_blocks(self, block_class, rngs: nnx.Rngs):
-    """The scanned stack `self.blocks`, and before it, with moe.first_dense, the dense layers' own stack."""
+    """The scanned stack `self.blocks`; before it, with moe.first_dense, the dense layers' own stack; after it,
+    with model.mtp_depth, the multi-token prediction modules (model/mtp.py)."""
     if self.cfg.moe_first_dense:
       setattr(self, DENSE_STACKED, stacked(block_class, dense_layers_config(self.cfg), rngs,
                                            units=self.cfg.moe_first_dense))
     self.blocks = stacked(block_class, self.cfg, rngs)
+    if self.cfg.mtp_depth:
+      setattr(self, mtp.MTP, mtp.prediction_modules(block_class, self.cfg, rngs))
 
   def logits(self, x_BTD):
     """Float32 logits, the vocabulary's padding masked."""
@@ -438,13 +316,18 @@ class LanguageModel(nnx.Module):
 
     With model.document_end set, the sequences are packed documents: a token
     attends within its own document, and learned positions count from its start.
-    With `weights_BT`, each position's cross-entropy is weighted (chunked_cross_entropy).
+    With `weights_BT`, each position's cross-entropy is weighted (chunked_cross_entropy). With
+    model.mtp_depth, the prediction modules' mean cross-entropy is added at model.mtp_weight (model/mtp.py).
     """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
     segments_BT, embed_positions = packed_documents(tokens_BT, positions_T, self.cfg.document_end)
     x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
     loss = self.head_loss(x_BTD, targets_BT, weights_BT)
-    return loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
+    objective, stats = loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
+    if self.cfg.mtp_depth:
+      ahead = mtp.prediction_loss(self, x_BTD, targets_BT, positions_T, segments_BT, embed_positions, weights_BT)
+      objective, stats = objective + self.cfg.mtp_weight * ahead, {**stats, mtp.LOSS: ahead}
+    return objective, stats
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):
     """The next-token cross-entropy (what evaluation reports)."""

@@ -55,6 +55,10 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
     if model.moe_first_dense:
       raise ValueError(f"moe.first_dense={model.moe_first_dense}: the dense layers are a stack of their own, "
                        "which meshlm's pipelines do not split into stages yet; train them on mesh.pipeline=1.")
+    if model.mtp_depth:
+      raise ValueError(f"model.mtp_depth={model.mtp_depth}: the prediction modules read the last stage's output "
+                       "and the first stage's embedding, which meshlm's pipelines do not bring together yet; train "
+                       "them on mesh.pipeline=1, or set model.mtp_depth=0.")
     if model.moe_bias_rate:
       raise ValueError(f"moe.bias_rate={model.moe_bias_rate} moves each layer's router bias by that layer's loads, "
                        "which a pipeline's stages do not gather into one step's figures; balance by "

@@ -3,6 +3,8 @@
 import jax
 from tqdm import tqdm
 
+from model import mtp
+
 
 def log(line: str) -> None:
   if jax.process_index() == 0:  # one console per run, however many hosts
@@ -10,10 +12,10 @@ def log(line: str) -> None:
 
 
 def optional_figures(fetched: dict) -> dict:
-  """float16's loss scale and a MoE model's router statistics as scalars; each expert's share of
-  the choices gets its own key."""
+  """float16's loss scale, the multi-token prediction modules' cross-entropy and a MoE model's router statistics
+  as scalars; each expert's share of the choices gets its own key."""
   figures = {key: float(value) for key, value in fetched.items()
-             if key.startswith("moe_") or key == "loss_scale"}
+             if key.startswith("moe_") or key in ("loss_scale", mtp.LOSS)}
   if "expert_load" in fetched:
     figures.update({f"expert_load/{i}": float(share) for i, share in enumerate(fetched["expert_load"])})
   return figures
@@ -24,7 +26,8 @@ def step_line(m: dict) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
   skipped = f"  skipped {m['skipped']}" if m["skipped"] else ""
   scale = f"  loss_scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""
-  line = (f"step {m['step']:6d}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+  ahead = f"  mtp {m[mtp.LOSS]:.4f}" if mtp.LOSS in m else ""
+  line = (f"step {m['step']:6d}  loss {m['loss']:.4f}{ahead}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
           f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}{scale}")
   if "moe_balance_loss" in m:
     loads = [value for key, value in m.items() if key.startswith("expert_load/")]

@@ -95,6 +95,11 @@ BAD = [
                              r"but moe.experts=0 routes none"),
     ({"moe.experts": 4, "moe.first_dense": 2}, r"moe.first_dense=2 and moe.dense_width=0: the dense layers before "
                                                r"the routed ones must leave at least one of model.num_layers=2"),
+    ({"model.mtp_depth": 32}, r"model.mtp_depth=32 must be a number of prediction modules from 1 to "
+                              r"model.max_len - 1 = 31"),
+    ({"model.mtp_depth": 1, "model.mtp_weight": 0.0}, r"model.mtp_weight=0.0 must be a finite weight > 0"),
+    ({"model.mtp_depth": 1, "mesh.pipeline": 2, "mesh.data": 4},
+     r"model.mtp_depth=1: the prediction modules read the last stage's output and the first stage's embedding"),
     ({"moe.experts": 4, "model.num_layers": 3, "moe.first_dense": 1, "mesh.pipeline": 2, "mesh.data": 4},
      r"moe.first_dense=1: the dense layers are a stack of their own, which meshlm's pipelines do not split"),
     ({"moe.experts": 4, "moe.bias_rate": 0.001}, r"moe.bias_rate=0.001 must be a finite number >= 0, and above 0 only "
