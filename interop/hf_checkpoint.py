@@ -28,11 +28,12 @@ from safetensors.numpy import save_file
 from configs.load import with_fields
 from interop import hf_mapping
 from model.config import ModelConfig
+from model.mtp import MTP
 from model.stack import DENSE_STACKED, STACKED
-
-STACKS = (STACKED, DENSE_STACKED)  # the parameters with a leading layer axis
 from training.state import Layout, model_config
 from training.validate import cannot_hold_files
+
+STACKS = (STACKED, DENSE_STACKED, MTP)  # the parameters with a leading layer axis
 
 SCHEME = "hf:"
 WEIGHTS = "model.safetensors"
@@ -71,6 +72,9 @@ class HFCheckpoint:
     cfg, abstract = layout.model, layout.abstract_state["params"]
     table = hf_mapping.tensors(cfg, self.tied)
     paths = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
+    if cfg.mtp_depth and not any(path[0] == MTP for path in table):
+      raise ValueError(f"model.mtp_depth={cfg.mtp_depth}: {cfg.family}'s Hugging Face checkpoints hold no prediction "
+                       "modules (DeepseekV3ForCausalLM's do); start from this one with model.mtp_depth=0.")
     if paths != table.keys():
       raise ValueError(f"meshlm's {cfg.family} holds weights no Hugging Face tensor maps to: "
                        f"{sorted(paths ^ table.keys())[:3]}; interop/hf_mapping.py needs them.")
@@ -123,6 +127,8 @@ def open_checkpoint(path: str) -> HFCheckpoint:
   hf = _json_object(config_file)
   fields, tied = hf_mapping.model_fields(hf, str(config_file))
   files = _tensor_files(directory)
+  if fields.get("mtp_depth") and not any(".eh_proj." in name for name in files):
+    fields = {**fields, "mtp_depth": 0}  # config.json counts prediction modules its tensors lack
   shapes = {}
   for file in sorted(set(files.values())):
     held = _stored_shapes(file)
@@ -196,8 +202,8 @@ def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
 
 def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, path: tuple) -> list[dict]:
   """The {layer, expert} of each Hugging Face tensor the meshlm weight at `path` is made of, in its leading axes'
-  order: a stack's units (the scanned one's, or moe.first_dense's dense layers)."""
-  stack = {STACKED: cfg.num_units, DENSE_STACKED: cfg.moe_first_dense}.get(path[0])
+  order: a stack's units (the scanned one's, moe.first_dense's dense layers, the prediction modules)."""
+  stack = {STACKED: cfg.num_units, DENSE_STACKED: cfg.moe_first_dense, MTP: cfg.mtp_depth}.get(path[0])
   layers = range(stack) if stack is not None else [None]
   experts = range(cfg.num_experts) if tensor.per_expert else [None]
   return [{"layer": layer, "expert": expert} for layer in layers for expert in experts]

@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 from model.config import ModelConfig
 from model.families import FAMILIES
+from model.mtp import MTP
 from model.stack import DENSE_STACKED, STACKED, dense_layers_config
 
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # the two names transformers gives GPT-2's tanh GELU
@@ -175,12 +176,31 @@ def deepseek_tensors(cfg: ModelConfig, tied: bool) -> dict:
   its experts: Qwen-MoE's names, an ungated shared expert and the router's selection bias; the first dense layers
   (first_k_dense_replace, moe.first_dense) a stack of their own, the routed layers' numbers counted after them."""
   routed = _deepseek_table(cfg, tied)
+  modules = _prediction_modules(cfg, routed) if cfg.mtp_depth else {}
   if not cfg.moe_first_dense:
-    return routed
+    return {**routed, **modules}
   dense = _deepseek_table(dense_layers_config(cfg), tied)
   return {**{path: dataclasses.replace(tensor, first_layer=cfg.moe_first_dense) if path[0] == STACKED else tensor
              for path, tensor in routed.items()},
-          **{(DENSE_STACKED, *path[1:]): tensor for path, tensor in dense.items() if path[0] == STACKED}}
+          **{(DENSE_STACKED, *path[1:]): tensor for path, tensor in dense.items() if path[0] == STACKED}, **modules}
+
+
+def _prediction_modules(cfg: ModelConfig, routed: dict) -> dict:
+  """The multi-token prediction modules (model/mtp.py) as DeepSeek-V3's checkpoint holds them, after the stack's
+  layers (its layer 61): each a routed layer's tensors beside enorm, hnorm, eh_proj and shared_head.norm (the copies
+  of the token table and the head it also stores are the model's own, not read). transformers' MtpModel reads the
+  same names."""
+  at = lambda tensor: dataclasses.replace(tensor, first_layer=cfg.num_layers, unit_layers=1, unit_layer=0)
+  layer, d, moe_layer = "model.layers.{layer}.", cfg.embed_dim, cfg.layers_per_unit - 1
+  table = {}
+  for path, tensor in routed.items():
+    if path[0] == STACKED and (path[1] != "layers" or path[2] == moe_layer):  # a unit's routed layer
+      table[(MTP, "block", *(path[3:] if path[1] == "layers" else path[1:]))] = at(tensor)
+  norms = {"token_norm": "enorm", "hidden_norm": "hnorm", "output_norm": "shared_head.norm"}
+  table.update({(MTP, ours, "scale"): at(_same(f"{layer}{theirs}.weight", d)) for ours, theirs in norms.items()})
+  # eh_proj reads [embedding; hidden state]: meshlm's merge kernel is (half, input, output).
+  table[(MTP, "merge_kernel")] = at(Tensor(layer + "eh_proj.weight", ((d,), (2, d)), (1, 2, 0)))
+  return table
 
 
 def _deepseek_table(cfg: ModelConfig, tied: bool) -> dict:
@@ -455,6 +475,9 @@ def _deepseek_fields(hf: dict, where: str) -> dict:
       fields["mla.score_scale"] = _yarn_mscale(factor, mscale_all_dim) ** 2
   if not routed:
     return fields
+  # Prediction modules: config.json counts them (transformers' default 1, even where it saved none, which
+  # hf_checkpoint.open_checkpoint reads as none); they are routed layers.
+  fields["mtp_depth"] = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
   width = hf["moe_intermediate_size"]
   return {**fields, "mlp_dim": width, "moe.experts": hf["n_routed_experts"], "moe.top_k": hf["num_experts_per_tok"],
           "moe.every": 1, "moe.dropless": True, "moe.renormalize": bool(hf.get("norm_topk_prob", True)),
@@ -474,7 +497,7 @@ def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
   written = {**_llama_config(cfg, tied, dtype), "head_dim": rope, "num_key_value_heads": cfg.num_heads,
              "q_lora_rank": cfg.mla_q_rank or None, "kv_lora_rank": cfg.mla_kv_rank, "qk_rope_head_dim": rope,
              "qk_nope_head_dim": cfg.head_dim - rope, "v_head_dim": cfg.mla_v_dim,
-             "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": 0}
+             "first_k_dense_replace": cfg.num_layers, "num_mtp_layers": cfg.mtp_depth}
   if cfg.mla_score_scale != 1.0:  # as mscale_all_dim, beside the rotary's own attention factor written out
     if cfg.rope_type != "yarn" or cfg.rope_factor <= 1:
       raise ValueError(f"mla.score_scale={cfg.mla_score_scale}: DeepseekV3ForCausalLM scales its scores only through "
@@ -491,6 +514,9 @@ def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
     written = {**written, "rope_parameters": rotary,
                "rope_scaling": {k: v for k, v in rotary.items() if k != "rope_theta"}}
   if not cfg.num_experts:
+    if cfg.mtp_depth:
+      raise ValueError(f"model.mtp_depth={cfg.mtp_depth} without experts: DeepseekV3ForCausalLM's prediction modules "
+                       "are routed layers; export a model with moe.experts > 0, or one trained with mtp_depth=0.")
     return written
   routing = {"moe.score": (cfg.moe_score, "sigmoid"), "moe.shared_gate": (cfg.moe_shared_gate, False),
              "moe.router_bias": (cfg.moe_router_bias, True)}

@@ -8,8 +8,8 @@ import collections
 import math
 
 from measure.sizes import (blocks_run, compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes,
-                           optimizer_costs, optimizer_of, routed_layers, run_of, stage_elements, stage_layers,
-                           stage_units, stored_table)
+                           optimizer_costs, optimizer_of, routed_blocks, routed_layers, run_of, stage_elements,
+                           stage_layers, stage_units, stored_table)
 from model.mtp import MTP
 from parallel import context, experts, rules, schedules
 from parallel.costs import (F32_BYTES, MASTER_BYTES, Weight, all_reduce, axes_key, gather, shard_elements,
@@ -137,7 +137,6 @@ def _tensor_parallel(run, mesh, traffic):
     return
   d, t = dims(run, mesh), mesh[TENSOR]
   forward, backward = layer_passes(run, mesh)
-  layers = stage_layers(run, mesh)
   blocks = blocks_run(run, mesh)  # multi-token prediction's blocks too (model/mtp.py)
   tokens = all_reduce(d.activation_bytes(d.embed), t)
   per_stage = blocks * 2 * tokens  # the attention's and the MLP's output, and their inputs' gradients
@@ -151,8 +150,8 @@ def _tensor_parallel(run, mesh, traffic):
     # A MoE layer's experts sum their slots (E x capacity rows per sequence, _experts'), not its tokens.
     capacity = expert_slots(m, d.full_length)
     slots = all_reduce(m.num_experts * d.batch * capacity * d.embed * d.compute_bytes, t)
-    per_stage += routed_layers(m, layers) * (slots - tokens)
-    backward_stage += routed_layers(m, layers) * (slots - tokens)
+    per_stage += routed_blocks(run, mesh) * (slots - tokens)
+    backward_stage += routed_blocks(run, mesh) * (slots - tokens)
   outside = (d.activation_bytes(d.embed)
              + (d.tokens * 4 * F32_BYTES + d.activation_bytes(d.embed)) // mesh[PIPELINE])
   micro = schedules.micro_batches(run, mesh[PIPELINE])
@@ -213,7 +212,7 @@ def _experts(run, mesh, traffic):
     return
   d, m = dims(run, mesh), run.model
   forward, backward = layer_passes(run, mesh)
-  layers = routed_layers(m, stage_layers(run, mesh))
+  layers = routed_blocks(run, mesh)
   capacity = expert_slots(m, d.full_length)
   tokens = m.num_experts * d.batch * capacity * d.embed * d.compute_bytes
   for key, value in experts.sent(tokens, mesh[EXPERT]).items():

@@ -5,7 +5,7 @@ cost); and the textbook's ideal, 6N per token plus attention."""
 import math
 
 from measure.sizes import (blocks_run, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
-                           optimizer_of, routed_layers, run_of, stage_elements, stage_layers)
+                           optimizer_of, routed_blocks, run_of, stage_elements)
 from parallel import context, rules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
@@ -23,7 +23,6 @@ def stage_forward(run, d: Dims, mesh, weights) -> dict[str, int]:
   token each.
   """
   run = run_of(run)
-  layers = stage_layers(run, mesh)
   matrices = lambda keep: sum(stage_elements(run, mesh, w) for w in weights if w.stacked and is_matrix(w) and keep(w))
   # Multi-token prediction's blocks attend as the layers do; their matrices are among the stacked weights already.
   attention = 2 * d.tokens * d.full_length * d.heads * d.head_dim * blocks_run(run, mesh)
@@ -35,7 +34,7 @@ def stage_forward(run, d: Dims, mesh, weights) -> dict[str, int]:
   m = run.model
   if m.num_experts:
     slots = expert_slots(m, d.full_length)
-    moe_layers = routed_layers(m, layers)
+    moe_layers = routed_blocks(run, mesh)
     parts["experts"] = 2 * mesh[EXPERT] * d.batch * slots * matrices(lambda w: "expert" in w.axes)
     parts["dispatch"] = parts["combine"] = 2 * d.tokens * m.num_experts * slots * d.embed * moe_layers
   return parts
@@ -86,8 +85,9 @@ def flops(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   if context.visiting(d.context):  # its backward recomputes every visited block's QK^T from the log-sum-exp, as flash does
     recompute += parts["scores"]
   head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
-  heads = 1 + run.model.mtp_depth  # each prediction module scores every position through the head too
-  head = heads * 3 * 2 * head_tokens * sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
+  head_elements = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
+  # Each multi-token prediction module scores every position through the head too.
+  head = (1 + run.model.mtp_depth) * 3 * 2 * head_tokens * head_elements
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,
          "optimizer": optimizer_flops(run, mesh, weights)}
   return {**out, "total": sum(out.values())}

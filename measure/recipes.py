@@ -122,6 +122,12 @@ RECIPES = {r.name: r for r in [
                   {"moe.bias_rate": 0.01, "moe.balance_weight": 0.0}),
            seeds=(0, 1), config="configs/deepseek.py:deepseek3_tiny",
            fixed={**SHORT_RUN, "moe.first_dense": 0, "moe.dense_width": 0}, expert_balance=True),
+    # DeepSeek-V3's tiny shape as configured (a dense first layer, bias balancing), its modules weighted 0.3.
+    Recipe("mtp",
+           "Multi-token prediction against next-token prediction alone at equal tokens: DeepSeek-V3's one module, "
+           "and two; the validation loss is the next token's in every run.",
+           cases=({"model.mtp_depth": 0}, {"model.mtp_depth": 1}, {"model.mtp_depth": 2}),
+           seeds=(0, 1, 2), config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN),
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),

@@ -166,6 +166,14 @@ def routed_layers(model, layers: int) -> int:
   return (layers - model.moe_first_dense) // model.moe_every
 
 
+def routed_blocks(run, mesh: dict) -> int:
+  """The routed blocks one device runs per micro-batch: its stage's MoE layers, and with experts the multi-token
+  prediction modules' blocks (model/mtp.py)."""
+  run = run_of(run)
+  m = run.model
+  return routed_layers(m, stage_layers(run, mesh)) + (m.mtp_depth if m.num_experts else 0)
+
+
 def stored_table(run, mesh: dict, w: Weight, table) -> tuple:
   """The rules `table` as weight `w` lies by it: a stack of unequal stages split over `pipeline` by `embed`."""
   return rules.split_by_embed(table) if w.stacked and stage_units(run, mesh) is not None else table

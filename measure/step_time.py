@@ -33,7 +33,7 @@ import dataclasses
 import math
 
 from measure import estimate, memory, tiers
-from measure.sizes import head_weights, is_matrix, replaced, routed_layers, run_of
+from measure.sizes import blocks_run, head_weights, is_matrix, replaced, routed_blocks, run_of
 from measure.hardware import Cluster
 from parallel import context, experts, rules, schedules
 from parallel.costs import shard_elements
@@ -88,13 +88,13 @@ def calls(run, mesh: dict, source: str, kind: str, weights: list) -> int:
   run = run_of(run)
   forward, backward = estimate.layer_passes(run, mesh)
   layers = estimate.stage_layers(run, mesh)
-  per_pass = (forward + backward) * layers
+  per_pass = (forward + backward) * blocks_run(run, mesh)  # multi-token prediction's blocks too
   if source == "tensor":
     return 2 * per_pass
   if source == "context":
     return per_pass * context.STRATEGIES[run.attention.context].calls(mesh[SEQUENCE])
   if source == "experts":
-    return experts.CALLS * (forward + backward) * routed_layers(run.model, layers)
+    return experts.CALLS * (forward + backward) * routed_blocks(run, mesh)
   if source == "pipeline":
     p = run.pipeline
     ticks = schedules.SCHEDULES[p.schedule].ticks(stages=mesh[PIPELINE], micro=p.microbatches,

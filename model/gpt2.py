@@ -51,6 +51,8 @@ class GPT2(LanguageModel):
     x_BTD = embedding_rows(self.embed.tokens[...], tokens_BT, self.cfg) + self.embed.positions[...][positions_T]
     return constrain(x_BTD.astype(self.cfg.dtype), ACTIVATION_AXES)
 
-  def head_output(self, x_BTD):
-    x_BTD = self.ln_final(x_BTD)
+  def final_norm(self, x_BTD):
+    return self.ln_final(x_BTD)
+
+  def head_logits(self, x_BTD):
     return constrain(matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg.dtype), ("batch", "length", "vocab"))

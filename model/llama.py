@@ -76,6 +76,8 @@ class Llama(LanguageModel):
     del positions_T  # rotary embeddings apply them inside attention
     return constrain(embedding_rows(self.embed[...], tokens_BT, self.cfg).astype(self.cfg.dtype), ACTIVATION_AXES)
 
-  def head_output(self, x_BTD):
-    x_BTD = self.norm_final(x_BTD)
+  def final_norm(self, x_BTD):
+    return self.norm_final(x_BTD)
+
+  def head_logits(self, x_BTD):
     return constrain(matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg.dtype), ("batch", "length", "vocab"))

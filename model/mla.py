@@ -14,7 +14,6 @@ attention kernel and context strategy takes the keys and values as ordinary head
 keys are padded with zeros to the key width for the kernel and cut back after it.
 """
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -16,7 +16,7 @@ from flax import nnx
 from model import mtp
 from model.config import ModelConfig
 from model.layers import soft_capped
-from model.moe import AUX_LOSS, MoE, summarize
+from model.moe import AUX_LOSS, LOADS, MoE, summarize
 from model.placement import constrain, current, placed, shard_count
 from model.stack import ACTIVATION_AXES, DENSE_STACKED, STACKED, dense_layers_config, scan_blocks, stacked
 
@@ -166,12 +166,14 @@ def feed_forward(layer, norm, x_BTD, positions_T):
   return constrain(unchunk(y_CBtD), ACTIVATION_AXES), {}
 
 
-def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
+def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=False):
   """Mean next-token cross-entropy, the head and loss run on one chunk of positions at a time.
 
   With `weights_BT`, each position's loss is weighted first (fine-tuning on completions scores the
   answer's tokens only): the mean of weight x loss, so weights that average 1 over the batch
-  (training/step.py `normalized_weights`) give the mean over the weighted tokens.
+  (training/step.py `normalized_weights`) give the mean over the weighted tokens. `normalized`: `x_BTD` has
+  been normalised already (a multi-token prediction module's own output norm, model/mtp.py), so the head
+  skips the model's final norm.
 
   The logits exist for one chunk at a time (B x T/C x V, not B x T x V), chunks
   by strided_chunks, and in the compute dtype: token_losses reads them in float32
@@ -186,7 +188,9 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None):
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
-    logits_BtV, multiplier = nnx.merge(graphdef, stack, head).head_output(x_BtD), model.cfg.output_multiplier
+    merged = nnx.merge(graphdef, stack, head)
+    logits_BtV = merged.head_logits(x_BtD) if normalized else merged.head_output(x_BtD)
+    multiplier = model.cfg.output_multiplier
     if model.cfg.logit_softcap:  # capped as the softmax sees them (after muP's multiplier), in float32
       logits_BtV, multiplier = soft_capped(logits_BtV.astype(jnp.float32) * multiplier, model.cfg.logit_softcap), 1.0
     losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier)
@@ -275,9 +279,9 @@ def packed_documents(tokens_BT, positions_T, document_end: int):
 class LanguageModel(nnx.Module):
   """The stack and the loss every family shares.
 
-  A family adds `embed_tokens(tokens_BT, positions_T) -> x_BTD` and `head_output(x_BTD) -> logits_BTV`
-  (the final norm and the head's matmul, in the compute dtype, the vocabulary's padding not yet masked),
-  and keeps its stacked blocks in `self.blocks`.
+  A family adds `embed_tokens(tokens_BT, positions_T) -> x_BTD`, `final_norm(x_BTD)` and
+  `head_logits(x_BTD) -> logits_BTV` (the head's matmul, in the compute dtype, the vocabulary's padding not yet
+  masked), and keeps its stacked blocks in `self.blocks` (stack_blocks).
   """
 
   def stack_blocks(self, block_class, rngs: nnx.Rngs):
@@ -289,6 +293,10 @@ class LanguageModel(nnx.Module):
     self.blocks = stacked(block_class, self.cfg, rngs)
     if self.cfg.mtp_depth:
       setattr(self, mtp.MTP, mtp.prediction_modules(block_class, self.cfg, rngs))
+
+  def head_output(self, x_BTD):
+    """The head's logits for the stack's output: the final norm, then the head (head_logits)."""
+    return self.head_logits(self.final_norm(x_BTD))
 
   def logits(self, x_BTD):
     """Float32 logits, the vocabulary's padding masked."""
@@ -308,8 +316,8 @@ class LanguageModel(nnx.Module):
     """Float32 next-token logits for every position of in-order tokens."""
     return self.logits(self.run_blocks(self.embed_tokens(tokens_BT))[0])
 
-  def head_loss(self, x_BTD, targets_BT, weights_BT=None):
-    return chunked_cross_entropy(self, x_BTD, targets_BT, weights_BT)
+  def head_loss(self, x_BTD, targets_BT, weights_BT=None, normalized=False):
+    return chunked_cross_entropy(self, x_BTD, targets_BT, weights_BT, normalized)
 
   def objective(self, tokens_BT, targets_BT, positions_T=None, weights_BT=None):
     """(cross-entropy + auxiliary losses, statistics): what training differentiates and logs.
@@ -325,8 +333,11 @@ class LanguageModel(nnx.Module):
     loss = self.head_loss(x_BTD, targets_BT, weights_BT)
     objective, stats = loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
     if self.cfg.mtp_depth:
-      ahead = mtp.prediction_loss(self, x_BTD, targets_BT, positions_T, segments_BT, embed_positions, weights_BT)
-      objective, stats = objective + self.cfg.mtp_weight * ahead, {**stats, mtp.LOSS: ahead}
+      ahead, routed = mtp.prediction_loss(self, x_BTD, targets_BT, positions_T, segments_BT, embed_positions,
+                                          weights_BT)
+      # The modules' router statistics join only as their balance losses and their loads (for their own bias).
+      objective += self.cfg.mtp_weight * ahead + routed.get(AUX_LOSS, 0.0)
+      stats = {**stats, mtp.LOSS: ahead, **({mtp.LOADS: routed[LOADS]} if LOADS in routed else {})}
     return objective, stats
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):

@@ -9,14 +9,18 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs.gpt2 import get_config
 from configs.load import set_fields
 from input_pipeline import data
+from model import mtp
 from model.placement import placed
+from model.transformer import masked_vocab
 from parallel import placement
 from training.state import abstract_inputs, init_state, plan
 from training.step import loss_and_grads, loss_fn, make_train_step
@@ -83,6 +87,23 @@ def assert_layout_matches(overrides, reference, what):
   loss, grads = loss_and_gradients(overrides, devices)
   np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
   assert_tree_close(grads, reference[1], f"gradient, {what}")
+
+
+def prediction_logits(model, sequence_BS) -> list:
+  """Each multi-token prediction module's float32 logits (model/mtp.py), written out by truncation rather than the
+  model's masks: the stack reads sequence_BS[:, :-1], and module k runs on its first S - 1 - k positions, reading
+  token i + k from the sequence (causal attention makes a prefix's hidden states those of the whole sequence).
+  Module k's logits score sequence_BS[:, k + 1:]."""
+  length = sequence_BS.shape[1] - 1
+  hidden_BTD, _ = model.run_blocks(model.embed_tokens(sequence_BS[:, :-1]))
+  graphdef, stack = nnx.split(getattr(model, mtp.MTP))
+  hidden_BTD, out = model.final_norm(hidden_BTD), []
+  for k in range(1, model.cfg.mtp_depth + 1):
+    module = nnx.merge(graphdef, jax.tree.map(lambda p: p[k - 1], stack))
+    kept = length - k
+    hidden_BTD, _ = module(hidden_BTD[:, :kept], model.embed_tokens(sequence_BS[:, k:k + kept]), jnp.arange(kept))
+    out.append(masked_vocab(model.head_logits(hidden_BTD), model.cfg))  # the module's own norm, then the head
+  return out
 
 
 def train_steps(config, layout, state, steps):

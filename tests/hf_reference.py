@@ -6,10 +6,12 @@ JOBS.json is a list of jobs, run in order in one process (torch and
 transformers take seconds to import, so the tests batch their questions):
   {"make": "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral" | "mixtral" | "qwen3_moe" | "qwen2_moe" | "olmoe"
            | "gemma2" | "gemma3" | "deepseek_v3", "dir": D, "config": {...}, "seed": S, "save": {...}}
-      a model with every weight random (norms and biases too), save_pretrained(D, **save)
+      a model with every weight random (norms and biases too), save_pretrained(D, **save); with num_mtp_layers,
+      random prediction modules beside it where DeepSeek-V3's checkpoint holds them
   {"logits": D, "tokens": T.npy, "out": O.npy}          float32 logits of D on the tokens
   {"loss": D, "inputs": I.npy, "targets": T.npy, "out": O.npy}
       transformers' own causal-LM loss with `targets` as the shifted labels
+  {"modules": D, "tokens": T.npy, "out": O.npz}          DeepSeek-V3's multi-token prediction modules' logits
   {"chat": D, "conversations": [...], "out": O.json}   apply_chat_template's text and ids of each conversation
   {"harness": D, "tasks": [...], "include_path": P, "max_length": L, "out": O.json}
       lm-evaluation-harness's own Hugging Face class on D: each task's metrics and each document's responses
@@ -19,11 +21,14 @@ transformers take seconds to import, so the tests batch their questions):
 """
 
 import json
+import re
 import sys
+import tempfile
 
 import numpy as np
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 CLASSES = {"gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -45,19 +50,50 @@ def load(directory):
       directory, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def randomize(module):
+  with torch.no_grad():
+    for name, weight in module.named_parameters():
+      # Norm scales near 1 keep activations in range; everything else plainly random.
+      base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else 0.0
+      weight.copy_(base + 0.1 * torch.randn_like(weight))
+    for name, buffer in module.named_buffers():  # DeepSeek's router bias is a buffer, saved with the weights
+      if name.endswith("e_score_correction_bias"):
+        buffer.copy_(0.1 * torch.randn_like(buffer))
+
+
 def make(job):
   config_class, model_class = CLASSES[job["make"]]
   torch.manual_seed(job["seed"])
   model = model_class(config_class(**job["config"]))
-  with torch.no_grad():
-    for name, weight in model.named_parameters():
-      # Norm scales near 1 keep activations in range; everything else plainly random.
-      base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "norm.weight")) else 0.0
-      weight.copy_(base + 0.1 * torch.randn_like(weight))
-    for name, buffer in model.named_buffers():  # DeepSeek's router bias is a buffer, saved with the weights
-      if name.endswith("e_score_correction_bias"):
-        buffer.copy_(0.1 * torch.randn_like(buffer))
+  randomize(model)
   model.save_pretrained(job["dir"], **job["save"])
+  if getattr(model.config, "num_mtp_layers", 0):
+    add_prediction_modules(model, job["dir"])
+
+
+def add_prediction_modules(model, directory):
+  """Random multi-token prediction modules added to the saved model's file where DeepSeek-V3's checkpoint holds
+  them, as layers num_hidden_layers + k (save_pretrained writes none): each module's block saved by transformers
+  as a layer of a model whose layers are those blocks, so it takes the checkpoint's names (one tensor per
+  expert) whatever transformers holds inside, and enorm, hnorm, eh_proj and shared_head.norm beside it."""
+  from transformers.modeling_layers import MtpModel
+  modules = MtpModel(model, model.config.num_mtp_layers)
+  randomize(modules)
+  blocks = type(model)(model.config.get_mtp_config())
+  for layer, module in zip(blocks.model.layers, modules.layers):
+    layer.load_state_dict(module.mtp_block.state_dict())
+  first, file = model.config.num_hidden_layers, f"{directory}/model.safetensors"
+  with tempfile.TemporaryDirectory() as held:
+    blocks.save_pretrained(held)
+    renamed = lambda name: re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{first + int(m[1])}.", name)
+    saved = load_file(f"{held}/model.safetensors")
+    tensors = {**load_file(file), **{renamed(name): tensor for name, tensor in saved.items()
+                                     if name.startswith("model.layers.")}}
+  names = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"}
+  for k, module in enumerate(modules.layers):
+    for ours, theirs in names.items():
+      tensors[f"model.layers.{first + k}.{theirs}.weight"] = getattr(module, ours).weight.detach().clone()
+  save_file(tensors, file, metadata={"format": "pt"})
 
 
 def logits(job):
@@ -73,6 +109,34 @@ def loss(job):
     # shift_labels: the targets are already the next tokens, as meshlm's batches hold them.
     out = load(job["loss"])(input_ids=inputs, labels=targets, shift_labels=targets)
   np.save(job["out"], out.loss.numpy())
+
+
+def modules(job):
+  """Each multi-token prediction module's logits on the tokens as transformers' MtpModel computes them, module k on
+  the first T - 1 - k positions (reading token i + k beside the previous module's hidden state at i), saved as
+  out["k"]; MtpModel reads the modules with its own loader and names."""
+  from transformers.modeling_layers import MtpModel
+  main = load(job["modules"])
+  first, count = main.config.num_hidden_layers, main.config.num_mtp_layers
+  # MtpModel finds the modules by the names DeepseekV3ForCausalLM skips when loading: layer 61's there, these here.
+  main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{first + k}\..*" for k in range(count)]
+  mtp = MtpModel.from_pretrained(main).eval()
+  sequence = torch.from_numpy(np.load(job["tokens"])).long()
+  inputs, out = sequence[:, :-1], {}
+  with torch.no_grad():
+    stack = main.model(input_ids=inputs, output_hidden_states=True)
+    # Drafting reads hidden_states[-1] (generation/candidate_generator.py): the stack's output after its final norm.
+    assert torch.equal(stack.hidden_states[-1], stack.last_hidden_state)
+    hidden = stack.last_hidden_state
+    for k in range(1, count + 1):
+      kept = inputs.shape[1] - k
+      embeds = mtp.embed_tokens(sequence[:, k:k + kept])
+      positions = torch.arange(kept)[None].expand(len(sequence), -1)
+      hidden = mtp.layers[k - 1](embeds, hidden[:, :kept], position_embeddings=mtp.rotary_emb(embeds, positions),
+                                 position_ids=positions, past_key_values=None,
+                                 **mtp.create_masks_for_mtp_layer(k - 1, embeds, None, positions))
+      out[str(k)] = mtp._project_to_logits(hidden).numpy()
+  np.savez(job["out"], **out)
 
 
 def compare(job):
@@ -123,7 +187,8 @@ def harness(job):
                            for task, samples in results["samples"].items()}}, f, default=float)
 
 
-JOBS = {"make": make, "harness": harness, "logits": logits, "loss": loss, "compare": compare, "tokenize": tokenize, "chat": chat}
+JOBS = {"make": make, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
+        "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":
   torch.set_num_threads(1)  # the tests run beside XLA on a small machine

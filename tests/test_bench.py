@@ -1,6 +1,5 @@
 """tools/bench.py end to end on the tiny model, with peers; its search, specs, presets and layouts."""
 
-import os
 import re
 import subprocess
 import sys

@@ -53,10 +53,12 @@ LAYOUTS = {
     # latents would miss the tensor all-reduce's bytes by 15%.
     "latent attention, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "model.family": "llama",
                                             "mla.kv_rank": 8, "mla.q_rank": 8, "mla.rope_dim": 4, "mla.v_dim": 8},
-    # One multi-token prediction module (model/mtp.py): one block, a lookup and a head more, the weights outside
-    # the layers reduced (or scattered) once per use, the module's own gathered once (no loop).
+    # One multi-token prediction module (model/mtp.py): one block (routed where the layers are), a lookup and a head
+    # more, the weights outside the layers reduced (or scattered) once per use, the module's own gathered once.
     "multi-token prediction, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "model.mtp_depth": 1},
     "multi-token prediction, fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "model.mtp_depth": 1},
+    "moe, multi-token prediction, data=2 x expert=4": {"mesh.data": 2, "mesh.expert": 4, "moe.experts": 4,
+                                                       "model.mtp_depth": 1},
     "muon fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "optimizer.name": "muon"},
     "muon gathered, data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4, "optimizer.name": "muon",
                                          "optimizer.muon_iteration": "gathered"},
@@ -118,6 +120,7 @@ BY_HAND = {
 # Keys the compiled program adds beside a textbook it otherwise matches: the router's scalar statistics.
 EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")},
               "moe, a dense first layer, data=2 x expert=4": {("all-reduce", "expert")},
+              "moe, multi-token prediction, data=2 x expert=4": {("all-reduce", "expert")},
               # As fsdp data=8 (BY_HAND): the lookup's pair of all-to-alls.
               "multi-token prediction, fsdp data=8": {("all-to-all", "data")},
               # As under gpipe (BY_HAND): the gradient norm's per-leaf partial sums over the stages.

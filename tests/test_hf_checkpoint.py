@@ -25,7 +25,8 @@ from safetensors.numpy import load_file, save_file
 
 from configs.gpt2 import get_config
 from configs.load import set_fields
-from helpers import ROOT, assert_tree_close, batch_at, gradients, read_metrics, run_reference, tiny_config
+from helpers import (ROOT, assert_tree_close, batch_at, gradients, prediction_logits, read_metrics, run_reference,
+                     tiny_config)
 from input_pipeline import data
 from interop import hf_checkpoint, hf_mapping
 from interop.export import export
@@ -104,6 +105,13 @@ MODELS = {
                                           v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                                           topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
                                           routed_scaling_factor=2.5, norm_topk_prob=True), {}),
+    # Two multi-token prediction modules after deepseek3_moe's layers, each a routed layer (layers 3 and 4 of the file).
+    "deepseek3_mtp": ("deepseek_v3", dict(LLAMA_SHAPE, num_hidden_layers=3, num_key_value_heads=4,
+                                          first_k_dense_replace=1, num_mtp_layers=2,
+                                          q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                          v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                          topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True), {}),
     "deepseek3_direct_queries": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2,
                                                      num_mtp_layers=0, q_lora_rank=None, kv_lora_rank=16,
                                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), {}),
@@ -143,6 +151,8 @@ def reference(tmp_path_factory):
     jobs.append({"make": family, "dir": str(where / name), "config": hf_config, "seed": seed, "save": save})
     jobs.append({"logits": str(where / name), "tokens": str(where / "tokens.npy"),
                  "out": str(where / f"{name}_logits.npy")})
+  jobs.append({"modules": str(where / "deepseek3_mtp"), "tokens": str(where / "tokens.npy"),
+               "out": str(where / "deepseek3_mtp_modules.npz")})
   jobs.append({"loss": str(where / "gpt2"), "inputs": str(where / "inputs.npy"),
                "targets": str(where / "targets.npy"), "out": str(where / "gpt2_loss.npy")})
   run_reference(jobs, where)
@@ -184,6 +194,26 @@ def test_logits_match_transformers(reference, name, mesh):
   assert ours.shape[-1] == 384 and np.all(ours[..., VOCAB:] == np.finfo(np.float32).min)  # padding masked
   error = np.abs(ours[..., :VOCAB] - expected).max() / np.abs(expected).max()
   assert error < 1e-5, f"{name} on {mesh}: logits differ from transformers by {error:.2e} relative"
+
+
+def test_prediction_modules_match_transformers_and_export_as_read(reference, tmp_path):
+  """DeepSeek-V3's multi-token prediction modules (model/mtp.py), read from where its checkpoint holds them: each
+  module's logits equal transformers' MtpModel's, and an export writes the modules' tensors back bit for bit."""
+  _, layout, params = imported(reference / "deepseek3_mtp", jax.devices()[:1])
+  assert layout.model.mtp_depth == 2
+  expected = np.load(reference / "deepseek3_mtp_modules.npz")
+  modules = prediction_logits(nnx.merge(layout.graphdef, params), np.load(reference / "tokens.npy"))
+  for k, ours in enumerate(modules, 1):
+    error = np.abs(np.asarray(ours)[..., :VOCAB] - expected[str(k)]).max() / np.abs(expected[str(k)]).max()
+    assert error < 1e-5, f"module {k}: logits differ from transformers' MtpModel by {error:.2e} relative"
+  target = hf_checkpoint.write(str(tmp_path / "out"), layout.model, jax.device_get(params))
+  original, written = (load_file(str(d / hf_checkpoint.WEIGHTS)) for d in (reference / "deepseek3_mtp", target))
+  held = [name for name in original if name.startswith(("model.layers.3.", "model.layers.4."))]
+  assert any(".eh_proj." in name for name in held) and any(".experts." in name for name in held), held
+  for name in held:
+    if not name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+      assert np.array_equal(written[name], original[name]), name
+  assert json.loads((target / "config.json").read_text())["num_mtp_layers"] == 2
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -1,6 +1,7 @@
 """Multi-token prediction (model/mtp.py): the objective equals one written out by truncation rather than masks, and
 a mesh's loss and gradients equal one device's, under data x tensor with ZeRO-3 and a zig-zag ring over `sequence`,
-and with DeepSeek-V3's routed layers on data x tensor x expert."""
+and DeepSeek-V3's routed layers and module with their selection biases train on data x tensor x expert as on one
+device. transformers' MtpModel is checked in tests/test_hf_checkpoint.py."""
 
 import jax
 import jax.numpy as jnp
@@ -8,30 +9,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_layout_matches, batch_at, loss_and_gradients, setup
+from helpers import (assert_layout_matches, assert_params_close, batch_at, loss_and_gradients,
+                     params_after_steps, prediction_logits, setup)
 from model import mtp
 
 MTP = {"model.mtp_depth": 2, "model.mtp_weight": 0.5}
 
 
 def truncated_objective(model, tokens_BT, targets_BT, weight):
-  """The objective with each module run on the positions it scores only: causal attention makes a prefix's
-  hidden states those of the whole sequence, so module k on the first T - k positions, reading token i+k and
-  scoring token i+k+1 straight from the sequence, needs no mask and no shifted copies."""
-  length = tokens_BT.shape[1]
+  """The objective with each module's loss read off prediction_logits, which runs module k on the positions it
+  scores only, with no mask and no shifted copies."""
   sequence_BS = jnp.concatenate([tokens_BT[:, :1], targets_BT], axis=1)  # token j at j
-  hidden_BTD, _ = model.run_blocks(model.embed_tokens(tokens_BT))
-  loss = model.head_loss(hidden_BTD, targets_BT)
-  graphdef, stack = nnx.split(getattr(model, mtp.MTP))
+  loss = model.head_loss(model.run_blocks(model.embed_tokens(tokens_BT))[0], targets_BT)
   losses = []
-  for k in range(1, model.cfg.mtp_depth + 1):
-    module = nnx.merge(graphdef, jax.tree.map(lambda p: p[k - 1], stack))
-    kept = length - k
-    hidden_BTD = module(hidden_BTD[:, :kept], model.embed_tokens(sequence_BS[:, k:k + kept]), jnp.arange(kept))
-    logits_BtV = model.logits(hidden_BTD)
-    future_Bt = sequence_BS[:, k + 1:k + 1 + kept]
-    picked = jnp.take_along_axis(jax.nn.log_softmax(logits_BtV), future_Bt[..., None], -1)[..., 0]
-    losses.append(-picked.mean())
+  for k, logits_BtV in enumerate(prediction_logits(model, sequence_BS), 1):
+    future_Bt = sequence_BS[:, k + 1:]
+    losses.append(-jnp.take_along_axis(jax.nn.log_softmax(logits_BtV), future_Bt[..., None], -1).mean())
   return loss + weight * sum(losses) / len(losses)
 
 
@@ -58,16 +51,17 @@ def test_layouts_match_one_device(overrides, one_device):
   assert_layout_matches({**MTP, **overrides}, one_device, str(overrides))
 
 
-def test_routed_layers_with_a_dense_first_layer_match_one_device():
-  # DeepSeek-V3's shape: a dense first layer 96 wide, routed layers after it, the module's feed-forward layer dense
-  # and as wide as the first layer's.
+def test_routed_modules_and_their_bias_train_as_one_device_on_data_tensor_expert():
+  # DeepSeek-V3's shape: a dense first layer, routed layers balanced by the selection bias, and the module's block
+  # routed too, its bias moved by its own loads.
   deepseek = {"model.family": "llama", "model.num_layers": 3, "moe.first_dense": 1, "moe.dense_width": 96,
-              "moe.experts": 4, "moe.top_k": 2, "moe.dropless": True, "model.mtp_depth": 1}
-  _, layout, state, _ = setup({**deepseek, "mesh.data": 1}, jax.devices()[:1])
-  assert state["params"][mtp.MTP]["block"]["mlp"]["up_kernel"].shape == (1, 64, 96)
-  reference = loss_and_gradients({**deepseek, "mesh.data": 1}, jax.devices()[:1])
-  assert_layout_matches({**deepseek, "mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2}, reference,
-                        "data x tensor x expert")
+              "moe.experts": 4, "moe.top_k": 2, "moe.dropless": True, "moe.score": "sigmoid", "moe.router_bias": True,
+              "moe.bias_rate": 0.01, "moe.balance_weight": 0.0, "model.mtp_depth": 1}
+  reference = params_after_steps({**deepseek, "mesh.data": 1}, jax.devices()[:1])
+  bias = reference[mtp.MTP]["block"]["mlp"]["router_bias"]
+  assert bias.shape == (1, 4) and np.abs(bias).max() > 0, bias
+  assert_params_close(params_after_steps({**deepseek, "mesh.data": 2, "mesh.tensor": 2, "mesh.expert": 2},
+                                         jax.devices()), reference, "params after steps on data x tensor x expert")
 
 
 def test_evaluation_reads_the_stack_alone():

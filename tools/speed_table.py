@@ -11,7 +11,6 @@ for each part the stage skipped or that failed. speed.log holds
 tools/trace_top.py's tables (c): each one's per-step total and largest row.
 """
 
-import json
 import os
 import re
 from pathlib import Path

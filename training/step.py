@@ -5,8 +5,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from model import mtp
 from model.moe import LOADS, ROUTER_BIAS
 from model.placement import placed
+from model.stack import STACKED
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
 from training import loss_scale, schedule_free
@@ -113,16 +115,18 @@ def kept(finite, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, wide(n), wide(o)).astype(n.dtype), new, old)
 
 
-def balancing_bias_updates(updates, loads_LE, rate: float):
+def balancing_bias_updates(updates, loads: dict, rate: float):
   """`updates` with each MoE layer's router bias moved by `rate` against its experts' load error (DeepSeek-V3's
   auxiliary-loss-free balancing): up where an expert took less than the layer's mean load, down where more.
 
   The bias changes the choice of experts only, so its gradient is zero and the optimizer's update of it is
-  replaced, not added to (weight decay would shrink it otherwise). `loads_LE` is each MoE layer's share of the
-  choices per expert, [MoE layers, experts], stacked as the biases are."""
+  replaced, not added to (weight decay would shrink it otherwise). `loads` holds, under the key of each stack
+  with routed layers (the scanned blocks, the multi-token prediction modules), each of its MoE layers' share of
+  the choices per expert, [MoE layers, experts], stacked as its biases are."""
   def update(path, u):
     if jax.tree_util.keystr(path[-1:]) != f"['{ROUTER_BIAS}']":
       return u
+    loads_LE = loads[path[0].key]
     return (rate * jnp.sign(loads_LE.mean(-1, keepdims=True) - loads_LE)).astype(u.dtype)
   return jax.tree_util.tree_map_with_path(update, updates)
 
@@ -148,8 +152,9 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     lr = schedule(state["step"])
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
     updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
-    if LOADS in stats:
-      updates = balancing_bias_updates(updates, stats.pop(LOADS), layout.model.moe_bias_rate)
+    loads = {stack: stats.pop(key) for stack, key in ((STACKED, LOADS), (mtp.MTP, mtp.LOADS)) if key in stats}
+    if loads:
+      updates = balancing_bias_updates(updates, loads, layout.model.moe_bias_rate)
     params = optax.apply_updates(state["params"], updates)
     # Nothing non-finite reaches the state: a step that would put one there is dropped and counted, and
     # the loop applies config.nonfinite to the count. Under float16 this is also the loss scaler's
