@@ -7,9 +7,9 @@ moe.first_dense) and the rest routed as DeepSeek-V3 routes: sigmoid scores, a to
 groups of experts, the weights renormalised and scaled, one shared expert beside them, and balance kept by a
 per-expert selection bias moved each step against its expert's load (moe.bias_rate) rather than by an auxiliary
 loss. `deepseek3_tiny` trains on the built-in byte corpus on a CPU; `deepseek3_671b` is DeepSeek-V3's published
-shape at its pre-training context of 4,096 (its config.json adds YaRN for 128K, which an import reads), for
-planning or to hold an imported checkpoint (`--config.init_from=hf:<directory>` sets the shape from its
-config.json).
+shape at its pre-training context of 4,096 with its one multi-token prediction module (its config.json adds YaRN
+for 128K, which an import reads), for planning or to hold an imported checkpoint (`--config.init_from=hf:<directory>`
+sets the shape from its config.json).
 """
 
 from configs.llama import get_config as llama_config
@@ -40,4 +40,7 @@ def get_config(variant: str = "deepseek3_tiny"):
   c.moe.shared_width, c.moe.shared_gate, c.moe.router_bias, c.moe.bias_rate = expert_width, False, True, 0.001
   c.moe.balance_weight = 0.0  # balanced by the bias (DeepSeek-V3 adds a sequence-wise loss of weight 1e-4)
   c.model.rope_theta = 10000.0
+  # DeepSeek-V3 trained one multi-token prediction module at weight 0.3 (0.1 for its last 4.8T tokens); the tiny
+  # one trains without unless asked (--config.model.mtp_depth=1), as the `mtp` recipe compares.
+  c.model.mtp_depth = 0 if variant.endswith("_tiny") else 1
   return c
