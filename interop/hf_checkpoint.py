@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from configs.load import with_fields
-from interop import hf_mapping
+from interop import fp8_weights, hf_mapping
 from model.config import ModelConfig
 from model.mtp import MTP
 from model.stack import DENSE_STACKED, STACKED
@@ -44,9 +44,11 @@ RESAVE = "load the model in transformers and save_pretrained it again"  # what m
 class HFCheckpoint:
   """A Hugging Face checkpoint directory whose config meshlm can run and whose tensors it has checked."""
 
-  def __init__(self, directory: Path, fields: dict, tied: bool, files: dict, shapes: dict, context: int):
+  def __init__(self, directory: Path, fields: dict, tied: bool, files: dict, shapes: dict, context: int,
+               quantized: frozenset = frozenset(), block: tuple | None = None):
     self.directory, self.fields, self.tied, self.context = directory, fields, tied, context
     self.files, self.shapes = files, shapes  # tensor name -> its safetensors file, its shape
+    self.quantized, self.block = quantized, block  # float8 matrices beside their scales, and a scale's block
 
   def model_fields(self, config) -> dict:
     """The model record the checkpoint decides: its shape as dotted config fields ("model.NAME", and
@@ -83,6 +85,10 @@ class HFCheckpoint:
 
       def read(name: str, index: tuple) -> np.ndarray:
         stored = self._stored_name(name)
+        if stored in self.quantized:  # DeepSeek-V3's published projections: float8 with a scale per block
+          scale = stored + fp8_weights.SCALE_SUFFIX
+          return fp8_weights.read(self.files[stored], stored, opened[self.files[scale]].get_tensor(scale), index,
+                                  self.block)
         return opened[self.files[stored]].get_slice(stored)[index]
 
       def place(path, leaf, sharding):
@@ -129,7 +135,7 @@ def open_checkpoint(path: str) -> HFCheckpoint:
   files = _tensor_files(directory)
   if fields.get("mtp_depth") and not any(".eh_proj." in name for name in files):
     fields = {**fields, "mtp_depth": 0}  # config.json counts prediction modules its tensors lack
-  shapes = {}
+  shapes, quantized = {}, set()
   for file in sorted(set(files.values())):
     held = _stored_shapes(file)
     stray = next((name for name, f in files.items() if f == file and name not in held), None)
@@ -137,9 +143,19 @@ def open_checkpoint(path: str) -> HFCheckpoint:
       raise ValueError(f"{directory / WEIGHTS_INDEX} puts {stray} in {file}, which does not hold it; "
                        f"{RESAVE}.")
     shapes.update(held)
+    quantized.update(name for name, dtype in fp8_weights.stored_dtypes(file).items() if dtype == fp8_weights.STORED)
+  block = fp8_weights.block_size(hf, str(config_file))
+  unscaled = sorted(name for name in quantized if name + fp8_weights.SCALE_SUFFIX not in shapes or
+                    len(shapes[name]) != 2)
+  if quantized and (block is None or unscaled):
+    name = unscaled[0] if unscaled else min(quantized)
+    raise ValueError(f"{directory} stores {name} as float8 without "
+                     + ("a quantization_config in config.json" if block is None else
+                        f"a matrix's block scales ({name}{fp8_weights.SCALE_SUFFIX})")
+                     + "; meshlm reads block-scaled fp8 matrices as DeepSeek-V3 publishes them, or float weights.")
   # The positions it was trained to attend over, which evaluation takes as its length (interop/harness.py).
   context = hf.get("max_position_embeddings") or hf.get("n_positions") or 0
-  return HFCheckpoint(directory, fields, tied, files, shapes, context)
+  return HFCheckpoint(directory, fields, tied, files, shapes, context, frozenset(quantized), block)
 
 
 def _json_object(file: Path) -> dict:

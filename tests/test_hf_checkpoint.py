@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -295,6 +296,47 @@ def test_training_starts_at_the_loss_transformers_computes(reference, tmp_path):
   first = next(r["loss"] for r in records if r["step"] == 1)
   expected = float(np.load(reference / "gpt2_loss.npy"))
   assert abs(first - expected) < 1e-5 * expected, (first, expected)
+
+
+def quantized_copies(source: Path, where: Path, block: tuple) -> tuple[Path, Path]:
+  """`source` with every projection matrix stored as DeepSeek-V3 publishes its own, float8 e4m3 with a float32
+  scale per block (the block's largest magnitude over 448, e4m3's largest), and the float32 checkpoint it
+  decodes to, each entry times its block's scale (written here with np.repeat, apart from meshlm's reader)."""
+  tensors, quantized, decoded = load_file(str(source / hf_checkpoint.WEIGHTS)), {}, {}
+  for name, weight in tensors.items():
+    if not name.endswith("proj.weight"):
+      quantized[name] = decoded[name] = weight
+      continue
+    padded = np.pad(weight, [(0, -size % b) for size, b in zip(weight.shape, block)])
+    blocks = padded.reshape(padded.shape[0] // block[0], block[0], padded.shape[1] // block[1], block[1])
+    scale = (np.abs(blocks).max((1, 3)) / 448.0).astype(np.float32)
+    spread = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:weight.shape[0], :weight.shape[1]]
+    stored = (weight / spread).astype(ml_dtypes.float8_e4m3fn)
+    quantized[name], quantized[name + "_scale_inv"] = stored, scale
+    decoded[name] = stored.astype(np.float32) * spread
+  config = json.loads((source / "config.json").read_text())
+  fp8 = {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}}
+  for folder, weights, written in ((where / "fp8", quantized, fp8), (where / "decoded", decoded, config)):
+    folder.mkdir()
+    save_file(weights, str(folder / hf_checkpoint.WEIGHTS))
+    (folder / "config.json").write_text(json.dumps(written))
+  return where / "fp8", where / "decoded"
+
+
+def test_fp8_block_scaled_weights_read_as_they_decode(reference, tmp_path):
+  """DeepSeek-V3's published checkpoint stores its projections in float8 with a scale per 128 x 128 block; blocks of
+  16 x 16 here (the 24-wide matrices end in half a block), read whole on one device and in shards on data=4 x
+  tensor=2, equal the float32 checkpoint they decode to, bit for bit. Without its quantization_config, refused."""
+  fp8, decoded = quantized_copies(reference / "deepseek3_mtp", tmp_path, (16, 16))
+  for devices, mesh in ((jax.devices()[:1], {}), (jax.devices(), {"mesh.data": 4, "mesh.tensor": 2})):
+    params = [jax.device_get(imported(folder, devices, **mesh)[2]) for folder in (fp8, decoded)]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params[0]), jax.tree.leaves(params[1])):
+      assert np.array_equal(a, b), f"{jax.tree_util.keystr(path)} on {mesh or 'one device'}"
+  config = json.loads((fp8 / "config.json").read_text())
+  (fp8 / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+  with pytest.raises(ValueError, match=r"^\S+ stores model\.\S+ as float8 without a quantization_config in "
+                                       r"config\.json; meshlm reads block-scaled fp8"):
+    hf_checkpoint.open_init_from(f"hf:{fp8}")
 
 
 def test_export_round_trips_bit_identically(reference, tmp_path):
