@@ -41,6 +41,10 @@ from training.state import model_config, plan, state_from_params
 VOCAB = 300  # padded to 384 inside meshlm
 LLAMA_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, tie_word_embeddings=False)
+DEEPSEEK_ROUTED = dict(LLAMA_SHAPE, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+                       q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=20,
+                       n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
+                       n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 # name: (family, transformers config, save_pretrained arguments)
 MODELS = {
     "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128), {}),
@@ -100,19 +104,9 @@ MODELS = {
     # DeepSeek-V3's layout: a first dense layer (its MLP 96 wide), then routed ones: sigmoid scores, 8 experts in 4
     # groups of which a token's best 2 hold its top 2, weights renormalised and scaled by 2.5, one ungated shared
     # expert, and a selection bias (random here).
-    "deepseek3_moe": ("deepseek_v3", dict(LLAMA_SHAPE, num_hidden_layers=3, num_key_value_heads=4,
-                                          first_k_dense_replace=1, num_mtp_layers=0,
-                                          q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                          v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                                          topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
-                                          routed_scaling_factor=2.5, norm_topk_prob=True), {}),
+    "deepseek3_moe": ("deepseek_v3", dict(DEEPSEEK_ROUTED, num_mtp_layers=0), {}),
     # Two multi-token prediction modules after deepseek3_moe's layers, each a routed layer (layers 3 and 4 of the file).
-    "deepseek3_mtp": ("deepseek_v3", dict(LLAMA_SHAPE, num_hidden_layers=3, num_key_value_heads=4,
-                                          first_k_dense_replace=1, num_mtp_layers=2,
-                                          q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                          v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                                          topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
-                                          routed_scaling_factor=2.5, norm_topk_prob=True), {}),
+    "deepseek3_mtp": ("deepseek_v3", dict(DEEPSEEK_ROUTED, num_mtp_layers=2), {}),
     "deepseek3_direct_queries": ("deepseek_v3", dict(LLAMA_SHAPE, num_key_value_heads=4, first_k_dense_replace=2,
                                                      num_mtp_layers=0, q_lora_rank=None, kv_lora_rank=16,
                                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8), {}),
