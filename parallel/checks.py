@@ -59,10 +59,6 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
       raise ValueError(f"model.mtp_depth={model.mtp_depth}: the prediction modules read the last stage's output "
                        "and the first stage's embedding, which meshlm's pipelines do not bring together yet; train "
                        "them on mesh.pipeline=1, or set model.mtp_depth=0.")
-    if model.moe_bias_rate:
-      raise ValueError(f"moe.bias_rate={model.moe_bias_rate} moves each layer's router bias by that layer's loads, "
-                       "which a pipeline's stages do not gather into one step's figures; balance by "
-                       "moe.balance_weight on mesh.pipeline > 1, or train without a pipeline.")
     _check_pipeline(model, shape[PIPELINE], micro, data_parallel, pipeline)
     if pipeline.first_stage_layers:
       if shape[SEQUENCE] > 1 and context == "ring":

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from model.moe import AUX_LOSS
+from model.moe import AUX_LOSS, LOADS
 from model.placement import placed
 from model.transformer import STACKED, packed_documents
 from parallel import context, jax_compat, microbatch, placement, schedules, stages as stage_split
@@ -187,23 +187,28 @@ def _stage_view(layout: Layout, specs, stored):
 
 def _slots(layout: Layout, stage, chunk) -> dict:
   """What run_blocks needs to know of the slots of this stage's `chunk`: which hold units (`live_L`, unequal
-  stages only) and which of the model's units they hold (`units_L`, only where the layers differ by place:
-  model.global_every)."""
+  stages only) and which of the model's units they hold (`units_L`, only where the layers differ by place,
+  model.global_every, or where each layer's loads move its own router bias, moe.bias_rate)."""
   stages, model = layout.mesh.shape[PIPELINE], layout.model
   units = layout.stage_units or (model.num_units // (stages * layout.virtual_stages),) * stages * layout.virtual_stages
   return {**({"live_L": jnp.asarray(stage_split.live_slots(units, stages))[stage, chunk]}
              if layout.stage_units else {}),
           **({"units_L": jnp.asarray(stage_split.slot_units(units, stages))[stage, chunk]}
-             if model.global_every else {})}
+             if model.global_every or model.moe_bias_rate else {})}
 
 
 def _run_stage(layout: Layout, params, blocks, x_bTD, positions_T, segments_bT=None, slots=None):
   """The stage's output and this device's share of its router figures ({} when dense). A figure is the whole
   micro-batch's, the same on each of the stage's token shards, so each holds 1/shards of it: summed over
   the devices like the loss's shares, it counts once. `slots` tells run_blocks which units the stage's slots
-  hold (`_slots`)."""
+  hold (`_slots`). Each layer's loads (moe.bias_rate) come back at their units' places in a [units, experts]
+  array, zero elsewhere, so the stages' sum holds every layer's own."""
   model = nnx.merge(layout.graphdef, {**params, STACKED: blocks})
   y_bTD, figures = model.run_blocks(x_bTD, positions_T, segments_bT, **(slots or {}))
+  if LOADS in figures:
+    loads_SE = figures[LOADS]
+    figures[LOADS] = _zeros(jax.ShapeDtypeStruct((layout.model.num_units, loads_SE.shape[-1]), loads_SE.dtype)
+                            ).at[slots["units_L"]].add(loads_SE)
   return y_bTD, {key: _varying(value) / _shards(layout) for key, value in figures.items()}
 
 
@@ -211,8 +216,9 @@ def _step_figures(totals, micro: int, chunks: float):
   """The step's router figures from their sums over every (micro-batch, chunk of layers): a figure is the stack's
   mean over its units (model/moe.py `summarize`) and each chunk's the mean over its slots (an empty slot's
   zero), so `chunks` is the stack's units over a chunk's slots; the auxiliary loss is the sum of the
-  chunks'; and the step's figure is the mean over micro-batches, as grad_accum's."""
-  return {key: total / (micro if key == AUX_LOSS else micro * chunks) for key, total in totals.items()}
+  chunks', and each layer's loads its own (`_run_stage`); and the step's figure is the mean over
+  micro-batches, as grad_accum's."""
+  return {key: total / (micro if key in (AUX_LOSS, LOADS) else micro * chunks) for key, total in totals.items()}
 
 
 def _zeros(tree):

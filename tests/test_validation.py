@@ -104,8 +104,6 @@ BAD = [
      r"moe.first_dense=1: the dense layers are a stack of their own, which meshlm's pipelines do not split"),
     ({"moe.experts": 4, "moe.bias_rate": 0.001}, r"moe.bias_rate=0.001 must be a finite number >= 0, and above 0 only "
                                                  r"with moe.router_bias=True"),
-    ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "mesh.pipeline": 2, "mesh.data": 4},
-     r"moe.bias_rate=0.001 moves each layer's router bias by that layer's loads, which a pipeline's stages"),
     ({"moe.experts": 4, "moe.router_bias": True, "moe.bias_rate": 0.001, "optimizer.name": "schedule_free_adamw",
       "schedule.decay": "constant"}, r"moe.bias_rate=0.001 moves each layer's router bias by its loads after the "
                                       r"optimizer's update, which schedule-free's"),
