@@ -90,13 +90,19 @@ def _layer(run, d: Dims, remat: str, chunked: bool = True, recomputed: bool = Fa
   Traced on a probe sequence with no placement, plain local math: the Residuals scale to
   the run's micro-batch, positions and tensor shards, so one trace serves every length and layout.
   """
-  return _traced_layer(dataclasses.replace(
-      run.model, num_layers=1, num_experts=0, moe_first_dense=0, moe_dense_width=0, global_every=0, local_rope_theta=0.0,
-      max_len=PROBE_POSITIONS, remat=remat,
-      attention="xla",
-      attention_block=PROBE_POSITIONS // 2 if d.blockwise else 2 * PROBE_POSITIONS,
-      mlp_chunk=PROBE_POSITIONS // 2 if chunked and d.mlp_chunks > 1 else 0, loss_chunk=PROBE_POSITIONS,
-      document_end=-1, gathered_lookup=False, **({"recompute_activation": False} if recomputed else {})))
+  return _traced_layer(_probe_config(run.model, remat, d.blockwise, chunked and d.mlp_chunks > 1, recomputed))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_config(model: ModelConfig, remat: str, blockwise: bool, chunked_mlp: bool, recomputed: bool) -> ModelConfig:
+  """The model of _layer's probe. Cached: the planner asks for it hundreds of thousands of times, and each
+  dataclasses.replace runs ModelConfig's checks again."""
+  return dataclasses.replace(
+      model, num_layers=1, num_experts=0, moe_first_dense=0, moe_dense_width=0, global_every=0, local_rope_theta=0.0,
+      mtp_depth=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
+      attention_block=PROBE_POSITIONS // 2 if blockwise else 2 * PROBE_POSITIONS,
+      mlp_chunk=PROBE_POSITIONS // 2 if chunked_mlp else 0, loss_chunk=PROBE_POSITIONS,
+      document_end=-1, gathered_lookup=False, **({"recompute_activation": False} if recomputed else {}))
 
 
 @functools.lru_cache(maxsize=None)
