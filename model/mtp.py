@@ -19,7 +19,7 @@ from flax import nnx
 from model.config import ModelConfig
 from model.layers import RMSNorm, matmul, param
 from model.moe import summarize
-from model.stack import CHECKPOINT_POLICIES, stack_of
+from model.stack import CHECKPOINT_POLICIES, stack_of, unit_of
 
 MTP = "mtp"  # the modules' parameters, stacked on a leading `layers` axis of model.mtp_depth
 LOSS = "mtp_cross_entropy"  # the modules' mean cross-entropy, among the step's statistics
@@ -79,14 +79,13 @@ def prediction_loss(model, hidden_BTD, targets_BT, positions_T, segments_BT, emb
   stack's is.
   """
   cfg, length = model.cfg, targets_BT.shape[1]
-  graphdef, stack = nnx.split(getattr(model, MTP))
   run = lambda module, hidden_BTD, embedded_BTD: module(hidden_BTD, embedded_BTD, positions_T, segments_BT)
   if cfg.remat != "none":
     run = nnx.remat(run, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
   weights_BT = jnp.ones(targets_BT.shape, jnp.float32) if weights_BT is None else weights_BT
   hidden_BTD, losses, stats = model.final_norm(hidden_BTD), [], []
   for k in range(1, cfg.mtp_depth + 1):
-    module = nnx.merge(graphdef, jax.tree.map(lambda p: p[k - 1], stack))
+    module = unit_of(getattr(model, MTP), k - 1)
     embedded_BTD = model.embed_tokens(ahead(targets_BT, k - 1, positions_T), embed_positions)
     hidden_BTD, module_stats = run(module, hidden_BTD, embedded_BTD)
     scored_BT = ahead(weights_BT, k, positions_T) * (positions_T + k < length)

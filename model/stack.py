@@ -118,14 +118,19 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, 
   # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
   # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
   # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
-  graphdef, stack = nnx.split(blocks)
   stats = []
-  for unit in range(jax.tree.leaves(stack)[0].shape[0]):
-    x_BTD, unit_stats = apply_block(x_BTD, nnx.merge(graphdef, jax.tree.map(lambda p: p[unit], stack)),
+  for unit in range(jax.tree.leaves(nnx.state(blocks))[0].shape[0]):
+    x_BTD, unit_stats = apply_block(x_BTD, unit_of(blocks, unit),
                                     positions_T, segments_BT, jax.tree.map(lambda k_L: k_L[unit], kinds_L),
                                     *(l_L[unit] for l_L in live))
     stats.append(unit_stats)
   return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
+
+
+def unit_of(stacked_module, index: int):
+  """Unit `index` of a stacked module (`stack_of`), its parameters sliced off the leading `layers` axis."""
+  graphdef, state = nnx.split(stacked_module)
+  return nnx.merge(graphdef, jax.tree.map(lambda p: p[index], state))
 
 
 def _unless_dead(apply_block):

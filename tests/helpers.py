@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs.gpt2 import get_config
 from configs.load import set_fields
 from input_pipeline import data
 from model import mtp
 from model.placement import placed
+from model.stack import unit_of
 from model.transformer import masked_vocab
 from parallel import placement
 from training.state import abstract_inputs, init_state, plan
@@ -96,10 +96,9 @@ def prediction_logits(model, sequence_BS) -> list:
   Module k's logits score sequence_BS[:, k + 1:]."""
   length = sequence_BS.shape[1] - 1
   hidden_BTD, _ = model.run_blocks(model.embed_tokens(sequence_BS[:, :-1]))
-  graphdef, stack = nnx.split(getattr(model, mtp.MTP))
   hidden_BTD, out = model.final_norm(hidden_BTD), []
   for k in range(1, model.cfg.mtp_depth + 1):
-    module = nnx.merge(graphdef, jax.tree.map(lambda p: p[k - 1], stack))
+    module = unit_of(getattr(model, mtp.MTP), k - 1)
     kept = length - k
     hidden_BTD, _ = module(hidden_BTD[:, :kept], model.embed_tokens(sequence_BS[:, k:k + kept]), jnp.arange(kept))
     out.append(masked_vocab(model.head_logits(hidden_BTD), model.cfg))  # the module's own norm, then the head
