@@ -224,6 +224,15 @@ def base() -> ml_collections.ConfigDict:
   c.schedule.final_lr_ratio = 0.1
   c.schedule.decay_steps = 0  # wsd: the final decay's steps
 
+  # lm: next-token cross-entropy (on completions' tokens where the data masks them) | dpo: preference pairs
+  # (tools/prepare.py --chosen_field/--rejected_field), the policy against the weights it started from
+  c.objective = "lm"
+  c.dpo = ml_collections.ConfigDict()
+  c.dpo.loss = "sigmoid"  # sigmoid (DPO) | robust (label_smoothing) | ipo | simpo (no reference)
+  c.dpo.beta = 0.1  # how far the policy may move from the reference: the log-ratio's scale
+  c.dpo.label_smoothing = 0.0  # robust: the assumed rate of flipped preferences, in [0, 0.5)
+  c.dpo.gamma = 0.5  # simpo: the reward margin the chosen answer must clear
+
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic
   c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py

@@ -9,10 +9,14 @@ import jax
 import numpy as np
 
 from input_pipeline.corpus import builtin_corpus
-from input_pipeline.token_files import PREPARE_COMMAND, open_mask, open_tokens, read_meta
+from input_pipeline.token_files import PREPARE_COMMAND, open_mask, open_pairs, open_tokens, read_meta
 
 SOURCES = ("builtin", "tokens", "synthetic")
 SPLITS = {"train": 1, "val": 2}  # mixed into every batch seed, so train and val never share one
+# A preference pair's batch (objective=dpo): for each answer, its inputs, targets and mask, [B, T] int32, under
+# the keys f"{answer}_{field}".
+ANSWERS = ("chosen", "rejected")
+PAIR_FIELDS = ("inputs", "targets", "mask")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -25,6 +29,7 @@ class TokenSplit:
   tokenizer: str
   origin: str  # a folder, or 'synthetic': named in error messages
   mask: np.ndarray | None = None  # fine-tuning on completions: 1 where a token is scored (token_files.py)
+  pairs: np.ndarray | None = None  # preference pairs: each one's token offsets, int64 [pairs, 3] (token_files.py)
 
 
 def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
@@ -50,11 +55,18 @@ def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
                      f"more than model.vocab_size={vocab_size}; set "
                      f"--config.model.vocab_size={meta['vocab_size']}.")
   return TokenSplit(split, open_tokens(folder, split), meta["vocab_size"], meta["tokenizer"],
-                    str(folder), open_mask(folder, split))
+                    str(folder), open_mask(folder, split), open_pairs(folder, split))
 
 
 def check_long_enough(split: TokenSplit, seq_len: int) -> None:
-  """Refuses a split too short for one window of seq_len + 1 tokens (synthetic data never is)."""
+  """Refuses a split too short for one window of seq_len + 1 tokens (synthetic data never is), or a split of
+  preference pairs without one (its rows are padded, so any length will do)."""
+  if split.pairs is not None:
+    if not len(split.pairs):
+      raise ValueError(f"The {split.name} split of {split.origin} holds no preference pairs; prepare it again with a "
+                       "--val_fraction that leaves some" + (", or set --config.eval_every=0." if split.name == "val"
+                                                           else " to training."))
+    return
   if split.tokens is not None and len(split.tokens) < seq_len + 1:
     raise ValueError(f"The {split.name} split of {split.origin} holds {len(split.tokens)} tokens, "
                      f"fewer than seq_len + 1 = {seq_len + 1}; give it more text or lower "
@@ -89,6 +101,23 @@ def mask_rows(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_l
   return _windows(split, split.mask, seed, step, batch_size, window, row_ids, np.empty((len(row_ids), window), np.uint8))
 
 
+def pair_rows(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_len: int,
+              rows: slice = slice(None)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Rows `rows` of preference batch `step`: for each answer, (tokens, mask), int32 [rows, seq_len + 1]: the prompt
+  then the answer from the pair's first token, cut after seq_len + 1 tokens or padded with 0 (mask 0)."""
+  row_ids = range(batch_size)[rows]
+  picks_B = _rng(split, seed, step).integers(0, len(split.pairs), size=batch_size)
+  answers = {}
+  for a, answer in enumerate(ANSWERS):
+    tokens_RW, mask_RW = (np.zeros((len(row_ids), seq_len + 1), np.int32) for _ in range(2))
+    for i, row in enumerate(row_ids):
+      start, stop = split.pairs[picks_B[row], a:a + 2]
+      stop = min(stop, start + seq_len + 1)
+      tokens_RW[i, :stop - start], mask_RW[i, :stop - start] = split.tokens[start:stop], split.mask[start:stop]
+    answers[answer] = tokens_RW, mask_RW
+  return answers
+
+
 def _windows(split: TokenSplit, values, seed, step, batch_size, window, row_ids, out_RW) -> np.ndarray:
   # Drawing all B starts is cheap and keeps each row's start independent of `rows`.
   starts_B = _rng(split, seed, step).integers(0, len(split.tokens) - window + 1, size=batch_size)
@@ -100,7 +129,8 @@ def _windows(split: TokenSplit, values, seed, step, batch_size, window, row_ids,
 def global_batch(split: TokenSplit, *, seed: int, step: int, batch_size: int, seq_len: int,
                  sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
   """Batch `step` as {'inputs', 'targets'}: int32 [B, T] jax.Arrays laid out by `sharding`; with a loss mask
-  (fine-tuning on completions) also 'weights', float32 [B, T]: 1 where the target is scored, else 0."""
+  (fine-tuning on completions) also 'weights', float32 [B, T]: 1 where the target is scored, else 0. A split of
+  preference pairs gives each answer's inputs, targets and mask instead (ANSWERS, PAIR_FIELDS)."""
   windows_by_rows = {}  # devices holding the same rows (e.g. over `tensor`) share one read
 
   def windows(index, read=batch_rows) -> np.ndarray:
@@ -111,6 +141,11 @@ def global_batch(split: TokenSplit, *, seed: int, step: int, batch_size: int, se
     return windows_by_rows[key]
 
   shape = (batch_size, seq_len)
+  if split.pairs is not None:  # targets and masks are the windows' positions 1..T, inputs 0..T-1
+    entry = lambda answer, part, cut: jax.make_array_from_callback(
+        shape, sharding, lambda index: windows(index, pair_rows)[answer][part][:, cut][:, index[1]], dtype=np.int32)
+    return {f"{answer}_{field}": entry(answer, part, cut) for answer in ANSWERS
+            for field, part, cut in zip(PAIR_FIELDS, (0, 0, 1), (slice(None, -1), slice(1, None), slice(1, None)))}
   batch = dict(
       inputs=jax.make_array_from_callback(
           shape, sharding, lambda index: windows(index)[:, :-1][:, index[1]], dtype=np.int32),

@@ -15,7 +15,7 @@ import functools
 import itertools
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv",
            ".txt": "text"}
@@ -39,6 +39,20 @@ def dataset_completions(dataset: str, prompt_field: str, completion_field: str) 
   """Each record's (prompt, completion), in order; refuses, in one line, a record that lacks either."""
   return dataset_records(dataset, {"--text_field": prompt_field, "--completion_field": completion_field},
                          read=_present_text)
+
+
+class PreferencePair(NamedTuple):
+  """A prompt with the answer preferred and the answer passed over (objective=dpo's records)."""
+  prompt: str
+  chosen: str
+  rejected: str
+
+
+def dataset_pairs(dataset: str, prompt_field: str, chosen_field: str, rejected_field: str) -> Iterator[PreferencePair]:
+  """Each record's PreferencePair, in order; refuses, in one line, a record that lacks one of its texts."""
+  records = dataset_records(dataset, {"--text_field": prompt_field, "--chosen_field": chosen_field,
+                                      "--rejected_field": rejected_field}, read=_present_text)
+  return (PreferencePair(*texts) for texts in records)
 
 
 def dataset_records(dataset: str, fields: dict[str, str], split: str = "train", read=None) -> Iterator[tuple]:

@@ -11,7 +11,8 @@ import numpy as np
 from tqdm import tqdm
 
 from input_pipeline import chat_template, token_files, tokenizer
-from input_pipeline.dataset_texts import FORMATS, dataset_completions, dataset_conversations, dataset_texts
+from input_pipeline.dataset_texts import (FORMATS, PreferencePair, dataset_completions, dataset_conversations,
+                                          dataset_pairs, dataset_texts)
 
 # Plain-text formats; anything else (images, archives, .bin) is skipped rather than sniffed,
 # so what goes into a dataset never depends on a guess about a file's contents.
@@ -34,10 +35,11 @@ def text_files(folder: Path, *, skip: Path | None = None) -> list[Path]:
 
 def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction: float = 0.05,
             overwrite: bool = False, dataset: str | None = None, text_field: str = "text",
-            completion_field: str | None = None, messages_field: str | None = None, workers: int = 1,
-            progress: bool = False) -> tuple[int, dict]:
+            completion_field: str | None = None, messages_field: str | None = None, chosen_field: str | None = None,
+            rejected_field: str | None = None, workers: int = 1, progress: bool = False) -> tuple[int, dict]:
   """Tokenizes `input_dir` (or `dataset`'s `text_field`, followed by its `completion_field` where given, or its
-  `messages_field` conversations) into `output_dir`; returns (documents, meta)."""
+  `messages_field` conversations, or its `chosen_field` and `rejected_field` answers to it as preference pairs)
+  into `output_dir`; returns (documents, meta)."""
   output_dir = Path(output_dir).expanduser()
   if (input_dir is None) == (dataset is None):
     raise ValueError("give one of --input (a folder of text files) and --dataset (records with a text field).")
@@ -51,6 +53,12 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
   if messages_field and (dataset is None or completion_field):
     raise ValueError(f"--messages_field={messages_field} reads conversations from records: give them as --dataset, "
                      "without --completion_field (a record is a conversation or a prompt and completion).")
+  if bool(chosen_field) != bool(rejected_field):
+    raise ValueError("preference pairs need both --chosen_field and --rejected_field (the answer preferred and the "
+                     "one passed over), with --text_field naming the prompt.")
+  if chosen_field and (dataset is None or completion_field or messages_field):
+    raise ValueError(f"--chosen_field={chosen_field} reads preference pairs from records: give them as --dataset, "
+                     "without --completion_field or --messages_field.")
   if output_dir.exists() and not output_dir.is_dir():
     raise ValueError(f"--output={output_dir} is a file, not a folder; give a folder for train.bin, "
                      "val.bin and meta.json.")
@@ -65,25 +73,27 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
                        "lacks; give the chat model's as --tokenizer=hf:DIR.")
     chat_template.ChatTemplate(tok.folder)  # refuses a tokenizer without a template before reading
     texts = dataset_conversations(dataset, messages_field)
+  elif chosen_field:
+    texts = dataset_pairs(dataset, text_field, chosen_field, rejected_field)
   elif completion_field:
     texts = dataset_completions(dataset, text_field, completion_field)
   elif dataset is not None:
     texts = dataset_texts(dataset, text_field)
   else:
     texts = folder_texts(input_dir, output_dir)
-  masked = bool(completion_field or messages_field)
+  masked, pairs = bool(completion_field or messages_field or chosen_field), bool(chosen_field)
   with tqdm(unit=" tokens", unit_scale=True, disable=not progress) as bar:
     documents = 0
 
     def counted():  # the documents' ids as they stream by, counted, none kept
       nonlocal documents
       for chunk in encoded(texts, tokenizer_name, workers, chat=bool(messages_field)):
-        bar.update(len(chunk[0] if masked else chunk))
+        bar.update(sum(len(ids) for ids, _ in chunk) if pairs else len(chunk[0] if masked else chunk))
         documents += 1
         yield chunk
 
     meta = token_files.write_token_folder(output_dir, counted(), tokenizer=tok.name, vocab_size=tok.vocab_size,
-                                          val_fraction=val_fraction, masked=masked)
+                                          val_fraction=val_fraction, masked=masked, pairs=pairs)
   return documents, meta
 
 
@@ -110,7 +120,7 @@ def encoded(texts, tokenizer_name: str, workers: int, chat: bool = False):
 
   A (prompt, completion) pair instead gives (ids, mask): the prompt's ids then the completion's and the
   end-of-text, the mask 1 on the latter only (each part tokenized on its own, so the prompt ends where
-  its text does). A conversation (a list of messages, with `chat`) gives (ids, mask) too: the ids of its
+  its text does). A PreferencePair gives two such, the prompt with each answer. A conversation (a list of messages, with `chat`) gives (ids, mask) too: the ids of its
   chat template's rendering, whole, the mask 1 on the tokens of the assistant's turns."""
   batches = iter(lambda: list(itertools.islice(texts, BATCH)), [])
   if workers == 1:
@@ -132,7 +142,8 @@ def _load_worker_tokenizer(name: str, chat: bool):
 
 
 def _encode_batch(texts: list) -> list:
-  encode = {tuple: lambda pair: _encode_pair(*pair), list: _encode_conversation, str: _encode_document}
+  encode = {tuple: lambda pair: _encode_pair(*pair), list: _encode_conversation, str: _encode_document,
+            PreferencePair: lambda p: (_encode_pair(p.prompt, p.chosen), _encode_pair(p.prompt, p.rejected))}
   return [encode[type(text)](text) for text in texts]
 
 

@@ -6,6 +6,10 @@ Data for fine-tuning on completions also holds train.mask and val.mask, one
 uint8 per token: 1 where the token is scored as a prediction (the completion
 and its end-of-text), 0 where it is only context (the prompt); meta.json then
 says "loss_mask": true.
+Preference pairs (objective=dpo) are masked data whose documents come two by two, the prompt with the
+answer preferred, then with the one passed over; train.pairs and val.pairs hold each pair's token offsets
+within its split, int64 [pairs, 3] (the first answer's start, the second's, the second's end), and
+meta.json says "pairs": true with train_pairs and val_pairs. Their val split is the last pairs, not tokens.
 The loader adds ids_checked.json, where it can: which versions of the .bin files
 it found within the vocabulary, so that each version is scanned once.
 """
@@ -22,6 +26,7 @@ import numpy as np
 
 FOLDER_FILES = ("train.bin", "val.bin", "meta.json")  # in the order they are replaced
 MASK_FILES = ("train.mask", "val.mask")  # fine-tuning on completions: replaced before meta.json
+PAIR_FILES = ("train.pairs", "val.pairs")  # preference pairs: replaced before meta.json
 META_KEYS = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
 PREPARE_COMMAND = "python tools/prepare.py --input TEXT_DIR --output {}"
 IDS_CHECKED = "ids_checked.json"
@@ -46,10 +51,13 @@ def scores_any(mask: np.ndarray) -> bool:
 
 
 def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
-                       val_fraction: float, extra_meta: dict | None = None, masked: bool = False) -> dict:
+                       val_fraction: float, extra_meta: dict | None = None, masked: bool = False,
+                       pairs: bool = False) -> dict:
   """Streams token chunks into train.bin / val.bin / meta.json; returns the meta.
 
   `masked`: each chunk is a pair (ids, which of them are scored), and the masks go to train.mask / val.mask.
+  `pairs` (masked too): each chunk is two such, a preference pair's answers, their offsets kept in train.pairs /
+  val.pairs, and val_fraction counts pairs.
   """
   folder = Path(folder)
   created = not folder.exists()  # a folder made here goes again if the write fails
@@ -58,21 +66,33 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
   # Unique temp names: concurrent writers (processes on one host, or hosts sharing a
   # file system) never share a half-written file; os.replace makes each appear whole.
   run_id = uuid.uuid4().hex
-  names = (*FOLDER_FILES[:2], *(MASK_FILES if masked else ()), FOLDER_FILES[2])
+  names = (*FOLDER_FILES[:2], *(MASK_FILES if masked else ()), *(PAIR_FILES if pairs else ()), FOLDER_FILES[2])
   temps = {name: folder / f"{name}.tmp-{run_id}" for name in names}
   try:
-    total = 0
+    total, offsets = 0, []
     with open(temps["train.bin"], "wb") as out, (open(temps["train.mask"], "wb") if masked
                                                    else contextlib.nullcontext()) as mask_out:
       for chunk in token_chunks:
-        chunk, mask = (np.asarray(part) for part in chunk) if masked else (np.asarray(chunk), None)
-        check_ids(chunk, vocab_size, where=f"the tokenizer's output at token {{}} of {folder}", first=total)
-        total += len(chunk)  # before the write, so that a full disk's message counts this chunk
-        out.write(chunk.astype(dtype).tobytes())
-        if masked:
-          mask_out.write(mask.astype(np.uint8).tobytes())
-    val_tokens = int(round(total * val_fraction))
-    train_tokens = total - val_tokens
+        if pairs:
+          offsets.append((total, total + len(chunk[0][0]), total + len(chunk[0][0]) + len(chunk[1][0])))
+        for piece in chunk if pairs else (chunk,):
+          piece, mask = (np.asarray(part) for part in piece) if masked else (np.asarray(piece), None)
+          check_ids(piece, vocab_size, where=f"the tokenizer's output at token {{}} of {folder}", first=total)
+          total += len(piece)  # before the write, so that a full disk's message counts this chunk
+          out.write(piece.astype(dtype).tobytes())
+          if masked:
+            mask_out.write(mask.astype(np.uint8).tobytes())
+    if pairs:
+      offsets_N3 = np.asarray(offsets, np.int64).reshape(-1, 3)
+      train_pairs = len(offsets_N3) - int(round(len(offsets_N3) * val_fraction))
+      train_tokens = int(offsets_N3[train_pairs, 0]) if train_pairs < len(offsets_N3) else total
+      offsets_N3[:train_pairs].tofile(temps["train.pairs"])
+      (offsets_N3[train_pairs:] - train_tokens).tofile(temps["val.pairs"])
+      extra_meta = {**(extra_meta or {}), "pairs": True, "train_pairs": train_pairs,
+                    "val_pairs": len(offsets_N3) - train_pairs}
+    else:
+      train_tokens = total - int(round(total * val_fraction))
+    val_tokens = total - train_tokens
     for kind, itemsize in (("bin", dtype.itemsize), *((("mask", 1),) if masked else ())):
       # Copy the tail to val, then cut it off: the train tokens are written only once.
       with open(temps[f"train.{kind}"], "rb") as everything, open(temps[f"val.{kind}"], "wb") as val:
@@ -91,9 +111,9 @@ def write_token_folder(folder, token_chunks, *, tokenizer: str, vocab_size: int,
     temps["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
     for name, temp in temps.items():  # meta.json last: it vouches for the other files
       os.replace(temp, folder / name)
-    if not masked:  # masks of data prepared here before belong to no tokens now
-      for name in MASK_FILES:
-        (folder / name).unlink(missing_ok=True)
+    # masks and pairs of data prepared here before belong to no tokens now
+    for name in (() if masked else MASK_FILES) + (() if pairs else PAIR_FILES):
+      (folder / name).unlink(missing_ok=True)
     return meta
   except BaseException as error:
     for temp in temps.values():
@@ -163,6 +183,25 @@ def open_mask(folder, split: str) -> np.ndarray | None:
                      "step and teach nothing; prepare the folder again from records whose answers are scored "
                      "(tools/prepare.py --completion_field or --messages_field).")
   return mask
+
+
+def open_pairs(folder, split: str) -> np.ndarray | None:
+  """The split's preference pairs' token offsets, int64 [pairs, 3] (see the module's docstring), checked against
+  its tokens; None where the folder holds no pairs."""
+  folder = Path(folder)
+  meta = read_meta(folder)
+  if not meta.get("pairs"):
+    return None
+  path, count = folder / f"{split}.pairs", meta.get(f"{split}_pairs")
+  if not isinstance(count, int) or not path.is_file() or path.stat().st_size != count * 3 * 8:
+    raise ValueError(f"{path} is missing or does not hold the {count} pairs its meta.json promises; recreate the "
+                     f"folder with tools/prepare.py --chosen_field ... --overwrite.")
+  offsets_N3 = np.fromfile(path, dtype="<i8").reshape(count, 3)
+  if count and not ((offsets_N3[:, 0] <= offsets_N3[:, 1]) & (offsets_N3[:, 1] <= offsets_N3[:, 2])
+                    & (offsets_N3[:, 0] >= 0) & (offsets_N3[:, 2] <= meta[f"{split}_tokens"])).all():
+    raise ValueError(f"{path} holds offsets outside its {meta[f'{split}_tokens']} tokens; recreate the folder with "
+                     "tools/prepare.py --chosen_field ... --overwrite.")
+  return offsets_N3
 
 
 def check_file_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:

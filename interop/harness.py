@@ -196,7 +196,7 @@ def split_perplexity(layout: Layout, params, split, eval_step, batch_size: int) 
     if split.mask is not None:
       batch["weights"] = np.stack([window(split.mask, r) for r in range(batch_size)])[:, 1:].astype(np.float32)
     count = int(batch["weights"].sum()) if "weights" in batch else rows[:, 1:].size
-    sums.append(eval_step(params, jax.device_put(batch, layout.batch_sharding)) * count)  # the batch's mean
+    sums.append(eval_step({"params": params}, jax.device_put(batch, layout.batch_sharding)) * count)  # the batch's mean
     scored += count
   if not scored:
     raise ValueError("the split's loss mask scores none of the tokens these windows cover; give more text.")

@@ -166,6 +166,34 @@ def feed_forward(layer, norm, x_BTD, positions_T):
   return constrain(unchunk(y_CBtD), ACTIVATION_AXES), {}
 
 
+def head_token_losses(model, x_BtD, targets_Bt, normalized=False):
+  """Each position's cross-entropy of the head's prediction for `x_BtD` (after the final norm, unless `normalized`)."""
+  logits_BtV = model.head_logits(x_BtD) if normalized else model.head_output(x_BtD)
+  multiplier = model.cfg.output_multiplier
+  if model.cfg.logit_softcap:  # capped as the softmax sees them (after muP's multiplier), in float32
+    logits_BtV, multiplier = soft_capped(logits_BtV.astype(jnp.float32) * multiplier, model.cfg.logit_softcap), 1.0
+  return token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier)
+
+
+def sequence_log_probs(model, x_BTD, targets_BT, mask_BT):
+  """Each row's log-probability of its targets where `mask_BT` is 1 (a completion's tokens), float32 [B].
+
+  What preference objectives compare (training/preference.py): a nonlinear function of each row's sum, so the
+  chunked loss's trick of taking the head's gradient in the forward pass (which needs one scalar) does not
+  apply. The head runs on one chunk of positions at a time, recomputed in the backward pass: the logits still
+  exist for one chunk only.
+  """
+  chunks = chunk_count(x_BTD.shape[1], model.cfg.loss_chunk)
+
+  @jax.checkpoint
+  def chunk_sums(chunk):
+    x_BtD, targets_Bt, mask_Bt = chunk
+    return -(head_token_losses(model, x_BtD, targets_Bt) * mask_Bt).sum(-1)
+
+  to_chunks = lambda x: strided_chunks(x, chunks)
+  return jax.lax.map(chunk_sums, (to_chunks(x_BTD), to_chunks(targets_BT), to_chunks(mask_BT))).sum(0)
+
+
 def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=False):
   """Mean next-token cross-entropy, the head and loss run on one chunk of positions at a time.
 
@@ -188,12 +216,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=
   to_chunks = lambda x: strided_chunks(x, chunks)
 
   def loss_sum(head, stack, x_BtD, targets_Bt, *weights_Bt):
-    merged = nnx.merge(graphdef, stack, head)
-    logits_BtV = merged.head_logits(x_BtD) if normalized else merged.head_output(x_BtD)
-    multiplier = model.cfg.output_multiplier
-    if model.cfg.logit_softcap:  # capped as the softmax sees them (after muP's multiplier), in float32
-      logits_BtV, multiplier = soft_capped(logits_BtV.astype(jnp.float32) * multiplier, model.cfg.logit_softcap), 1.0
-    losses_Bt = token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier)
+    losses_Bt = head_token_losses(nnx.merge(graphdef, stack, head), x_BtD, targets_Bt, normalized)
     return (losses_Bt * weights_Bt[0] if weights_Bt else losses_Bt).sum()
 
   # The stack, targets and weights are arguments, not closed over: a custom VJP may not close over traced
@@ -339,6 +362,12 @@ class LanguageModel(nnx.Module):
       objective += self.cfg.mtp_weight * ahead + routed.get(AUX_LOSS, 0.0)
       stats = {**stats, mtp.LOSS: ahead, **({mtp.LOADS: routed[LOADS]} if LOADS in routed else {})}
     return objective, stats
+
+  def sequence_log_probs(self, tokens_BT, targets_BT, mask_BT, positions_T=None):
+    """(each row's log-probability of its targets where `mask_BT` is 1, float32 [B]; router statistics)."""
+    positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
+    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, positions_T), positions_T)
+    return sequence_log_probs(self, x_BTD, targets_BT, mask_BT), stats
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):
     """The next-token cross-entropy (what evaluation reports)."""

@@ -33,7 +33,7 @@ from resilience.redundancy import lost_shard, survival_problem
 from resilience.state_transfer import compile_transfer, relocate, share_state
 from resilience.survive_events import Interruptions, PeerCopyKept
 from training.state import Layout, abstract_inputs, plan
-from training.step import make_eval_step, make_train_step
+from training.step import evaluated, make_eval_step, make_train_step
 from training.stepper import StepDone, Stepper, eval_due, eval_loss
 
 
@@ -145,7 +145,7 @@ class Survivor:
     """`joining`: this process was started again into a run in progress; `rejoin` is its first call.
     `resume_advice()`: what a refusal to go on tells the user to do (the checkpoint there is, if any)."""
     self._split = split
-    self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, params) -> loss
+    self._evaluate, self._eval_due = evaluate, eval_due  # evaluate(eval_step, layout, state) -> loss
     # (layout, config) -> (train step, eval step), on batches with loss weights where the data has loss masks.
     self._compile_steps = compile_steps or functools.partial(compiled_steps, weighted=split.mask is not None)
     self._resume_advice = resume_advice
@@ -279,7 +279,7 @@ class Survivor:
     new_state, metrics = jax.block_until_ready((new_state, metrics))
     stopping = stop.requested(step + 1, config.log_every, live)
     began = time.perf_counter()
-    eval_loss = (self._evaluate(self._laid_out.eval_step, layout, new_state["params"])
+    eval_loss = (self._evaluate(self._laid_out.eval_step, layout, new_state)
                  if self._eval_due(step + 1) else None)
     eval_seconds = time.perf_counter() - began
     if self.copies:
@@ -400,7 +400,7 @@ def compiled_steps(layout: Layout, config, weighted: bool = False):
   loss weights where `weighted`."""
   state, batch = abstract_inputs(layout, config, weighted)
   train_step = make_train_step(layout, config, donate=False).lower(state, batch).compile()
-  return train_step, make_eval_step(layout).lower(state["params"], batch).compile() if config.eval_every else None
+  return train_step, make_eval_step(layout).lower(evaluated(state), batch).compile() if config.eval_every else None
 
 
 def leave_together(devices) -> None:

@@ -64,5 +64,5 @@ class LocalStepper(Stepper):
       yield StepDone(done, self.state, pending, stop=self._stop.requested(done, log_every), data_seconds=waited)
 
   def evaluate(self, done: StepDone) -> float:
-    return eval_loss(self._eval_step, self.layout, done.state["params"], split=self._val_split,
+    return eval_loss(self._eval_step, self.layout, done.state, split=self._val_split,
                      config=self._config)

@@ -88,6 +88,12 @@ def train(config, dry_run: bool = False) -> dict:
 def _check_before_compiling(config, layout, train_split, val_split, text_tokenizer) -> None:
   """Refuses token splits shorter than a sequence, a closing sample the model cannot take and a bad
   profiling window: here, not after compiling."""
+  if layout.preference is not None and train_split.pairs is None:
+    raise ValueError(f"objective=dpo trains on preference pairs, which {train_split.origin} does not hold; prepare "
+                     "them with tools/prepare.py --chosen_field=... --rejected_field=....")
+  if layout.preference is None and train_split.pairs is not None:
+    raise ValueError(f"{train_split.origin} holds preference pairs, which objective={config.objective!r} does not "
+                     "train on; add --config.objective=dpo.")
   data.check_long_enough(train_split, layout.model.max_len)
   if config.eval_every:
     data.check_long_enough(val_split, layout.model.max_len)
@@ -161,7 +167,8 @@ class _Speed:
   count in the interval that redoes them, with the recovery's time."""
 
   def __init__(self, config, layout, start: int):
-    self._tokens_per_step = config.batch_size * layout.model.max_len
+    # A preference pair is two sequences, its prompt with each answer.
+    self._tokens_per_step = config.batch_size * layout.model.max_len * (1 if layout.preference is None else 2)
     self._flops_per_token = metrics.flops_per_token(layout.model, active_param_count(layout))
     self._peak = metrics.peak_flops_per_device(config.peak_tflops)
     self.restart(start)

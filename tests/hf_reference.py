@@ -15,6 +15,10 @@ transformers take seconds to import, so the tests batch their questions):
   {"chat": D, "conversations": [...], "out": O.json}   apply_chat_template's text and ids of each conversation
   {"harness": D, "tasks": [...], "include_path": P, "max_length": L, "out": O.json}
       lm-evaluation-harness's own Hugging Face class on D: each task's metrics and each document's responses
+  {"dpo": D, "reference": R, "examples": [{"prompt_ids", "chosen_ids", "rejected_ids"}, ...], "loss_type": L, "beta": B,
+   "label_smoothing": S, "gamma": G, "out": O.npz}
+      TRL's DPOTrainer (trl 1.16; CPOTrainer's loss for "simpo") on D against the model in R: the loss,
+      the mean chosen and rejected rewards, the mean margin and accuracy, and the loss's gradient of each weight
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
                                                          and rotary settings),
                                                          and D2's dropout rates
@@ -187,7 +191,48 @@ def harness(job):
                            for task, samples in results["samples"].items()}}, f, default=float)
 
 
-JOBS = {"make": make, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
+def dpo(job):
+  import types
+
+  from datasets import Dataset
+  from tokenizers import Tokenizer, models
+  from transformers import PreTrainedTokenizerFast
+  from trl import DPOConfig, DPOTrainer
+  from trl.experimental.cpo import CPOTrainer
+  model, reference = load(job["dpo"]), load(job["reference"])
+  # A tokenizer for the trainer's set-up only: the examples come tokenized, as meshlm's batch holds them.
+  vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                      eos_token="t0", pad_token="t0")
+  simpo = job["loss_type"] == "simpo"
+  with tempfile.TemporaryDirectory() as folder:
+    args = DPOConfig(output_dir=folder, beta=job["beta"], loss_type=["sigmoid" if simpo else job["loss_type"]],
+                     label_smoothing=job["label_smoothing"], max_length=None, report_to=[], use_cpu=True,
+                     bf16=False)  # TRL's default would run the reference under bfloat16 autocast
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list([{"prompt": "t1", "chosen": "t2", "rejected": "t3"}]))
+    batch = trainer.data_collator(job["examples"])
+    if simpo:  # the length-normalised log-probabilities CPOTrainer's simpo compares, through its own loss
+      mask = batch["completion_mask"][:, 1:].float()
+      logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+      per_token = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+      chosen, rejected = ((per_token * mask).sum(-1) / mask.sum(-1)).chunk(2)
+      settings = types.SimpleNamespace(alpha=0.0, beta=job["beta"], simpo_gamma=job["gamma"], loss_type="simpo",
+                                       label_smoothing=0.0, accelerator=types.SimpleNamespace(device="cpu"))
+      losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(settings, chosen, rejected)
+      loss = losses.mean()
+      figures = {"rewards/chosen": chosen_rewards.mean().item(), "rewards/rejected": rejected_rewards.mean().item(),
+                 "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+                 "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item()}
+    else:
+      loss = trainer.compute_loss(model, batch)
+      figures = {key: values[-1] for key, values in trainer._metrics["eval"].items()}  # eval: the model is in eval()
+    loss.backward()
+  np.savez(job["out"], loss=loss.item(), **{f"figure:{key}": value for key, value in figures.items()},
+           **{f"grad:{name}": weight.grad.numpy() for name, weight in model.named_parameters()})
+
+
+JOBS = {"make": make, "dpo": dpo, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
         "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":

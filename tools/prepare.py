@@ -5,6 +5,7 @@
   python tools/prepare.py --dataset data/raw/shards --text_field text --output data/corpus --workers 8
   python tools/prepare.py --dataset instructions.jsonl --text_field prompt --completion_field completion --output data/sft
   python tools/prepare.py --dataset chats.jsonl --messages_field messages --tokenizer hf:checkpoints/qwen --output data/sft
+  python tools/prepare.py --dataset pairs.jsonl --text_field prompt --chosen_field chosen --rejected_field rejected --output data/dpo
 
 --input: every file under the folder whose suffix is in TEXT_SUFFIXES (recursively, sorted by
 path; hidden files and folders skipped) as UTF-8, undecodable bytes replaced by U+FFFD; each
@@ -28,6 +29,10 @@ field is a list of {"role", "content"} messages, rendered with the tokenizer's o
 (input_pipeline/chat_template.py), and the assistant's turns are the tokens scored (with the end-of-text
 when the conversation ends on one). A split in which no token is scored (its loss would be 0 at every step)
 is refused.
+--chosen_field and --rejected_field (with --dataset) prepare preference pairs for objective=dpo: each record's
+--text_field (the prompt) with each of the two answers, tokenized as a prompt and completion are, the answers'
+tokens the ones scored; the last --val_fraction of the pairs (not tokens) is the val split, and train.pairs /
+val.pairs hold where each pair lies.
 """
 
 import gc
@@ -49,6 +54,10 @@ def define_flags():
   flags.DEFINE_string("messages_field", None, "With --dataset: the field holding each record's conversation "
                       "(a list of role/content messages), rendered with the --tokenizer=hf:DIR chat template; "
                       "the assistant's turns are the only tokens the loss scores.")
+  flags.DEFINE_string("chosen_field", None, "With --dataset and --rejected_field: the field holding the answer "
+                      "preferred to the --text_field prompt (preference pairs, objective=dpo).")
+  flags.DEFINE_string("rejected_field", None, "With --dataset and --chosen_field: the field holding the answer "
+                      "passed over.")
   flags.DEFINE_integer("workers", 1, "Tokenizing processes.")
   flags.DEFINE_string("output", None, "Folder to write train.bin, val.bin, meta.json.",
                       required=True)
@@ -67,7 +76,8 @@ def main(argv):
     num_files, meta = prepare(args.input, args.output, tokenizer_name=args.tokenizer,
                               val_fraction=args.val_fraction, overwrite=args.overwrite, dataset=args.dataset,
                               text_field=args.text_field, completion_field=args.completion_field,
-                              messages_field=args.messages_field,
+                              messages_field=args.messages_field, chosen_field=args.chosen_field,
+                              rejected_field=args.rejected_field,
                               workers=args.workers, progress=True)
   except ValueError as error:
     # A refusal can leave a dataset reader mid-file: collected now, its arrow threads stop while the
@@ -77,7 +87,8 @@ def main(argv):
   total = meta["train_tokens"] + meta["val_tokens"]
   print(f"Prepared {args.output} from {num_files} document{'s' * (num_files != 1)}: "
         f"{total:,} {meta['tokenizer']} tokens, {meta['train_tokens']:,} train / "
-        f"{meta['val_tokens']:,} val.")
+        f"{meta['val_tokens']:,} val" + (f" ({meta['train_pairs']:,} / {meta['val_pairs']:,} preference pairs)."
+                                          if meta.get("pairs") else "."))
 
 
 if __name__ == "__main__":

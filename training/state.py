@@ -20,8 +20,9 @@ from model.transformer import STACKED, chunk_positions
 from parallel import rules, schedules, stages
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
-from training import loss_scale
+from training import loss_scale, preference
 from training.optimizer import make_optimizer
+from training.preference import Preference
 
 
 def model_config(config) -> ModelConfig:
@@ -63,6 +64,7 @@ class Layout:
   stage_units: tuple[int, ...] | None  # units in each chunk (virtual stage) when unequal; None: equal chunks
   context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
   initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
+  preference: Preference | None = None  # objective=dpo's settings; None for a language model
 
   @property
   def param_shardings(self):
@@ -115,6 +117,9 @@ def plan(config, devices=None) -> Layout:
   counter = jax.ShapeDtypeStruct((), jnp.int32)
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
+  settings = preference.settings(config)
+  if settings and settings.uses_reference:  # the frozen weights the policy is compared with, laid out as its own
+    abstract_state["reference"], state_shardings["reference"] = params_abstract, param_shardings
   if loss_scale.uses_loss_scaling(config):
     abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
     state_shardings["loss_scale"] = {"scale": replicated, "good_steps": replicated}
@@ -125,7 +130,8 @@ def plan(config, devices=None) -> Layout:
                 microbatches=config.pipeline.microbatches,
                 virtual_stages=schedules.virtual_stages(config.pipeline), stage_units=stage_units,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
-                initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None)
+                initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None,
+                preference=settings)
 
 
 def _moment_leaves(opt_state, params, moment_shardings, other):
@@ -163,6 +169,8 @@ def state_from_params(layout: Layout, params: dict) -> dict:
 def _first_state(layout: Layout, params: dict) -> dict:
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
            "skipped": jnp.zeros((), jnp.int32)}
+  if layout.preference and layout.preference.uses_reference:  # a copy: the parameters are updated in place
+    state["reference"] = jax.tree.map(jnp.copy, params)
   if layout.initial_loss_scale is not None:
     state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
   return state
@@ -179,9 +187,11 @@ def active_param_count(layout: Layout) -> int:
 
 def abstract_inputs(layout: Layout, config, weighted: bool = False):
   """ShapeDtypeStructs carrying shardings for the state and one batch (with loss weights where `weighted`:
-  the data has loss masks, its split's `mask`)."""
+  the data has loss masks, its split's `mask`; preference pairs under objective=dpo)."""
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        layout.abstract_state, layout.state_shardings)
+  entries = ((("inputs", "int32"), ("targets", "int32"), *((("weights", "float32"),) if weighted else ()))
+             if layout.preference is None else [(key, "int32") for key in preference.batch_keys()])
   batch = {name: jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), dtype, sharding=layout.batch_sharding)
-           for name, dtype in (("inputs", "int32"), ("targets", "int32"), ("weights", "float32"))}
-  return state, batch if weighted else {k: v for k, v in batch.items() if k != "weights"}
+           for name, dtype in entries}
+  return state, batch

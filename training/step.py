@@ -11,7 +11,7 @@ from model.placement import placed
 from model.stack import STACKED
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
-from training import loss_scale, schedule_free
+from training import loss_scale, preference, schedule_free
 from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
@@ -35,7 +35,10 @@ def normalized_weights(batch):
 
 
 def objective(layout: Layout, params, batch):
-  """(what training differentiates, statistics with the cross-entropy and any router figures)."""
+  """(what training differentiates, statistics with the cross-entropy (the preference loss under
+  objective=dpo) and any router figures)."""
+  if layout.preference is not None:
+    return preference.objective(layout, params, batch)
   model = nnx.merge(layout.graphdef, params)
   order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
   if order_T is None:
@@ -46,9 +49,17 @@ def objective(layout: Layout, params, batch):
   return model.objective(ordered["inputs"], ordered["targets"], jnp.asarray(order_T), ordered.get("weights"))
 
 
+def reported_loss(stats: dict, objective_value):
+  """The loss a step reports (and pops from `stats`): the cross-entropy, or the preference loss, without router
+  losses, so that dense and MoE runs compare."""
+  return next((stats.pop(key) for key in ("cross_entropy", preference.LOSS) if key in stats), objective_value)
+
+
 def loss_fn(layout: Layout, params, batch) -> jax.Array:
-  """The next-token cross-entropy (over the weighted tokens, where the batch weights them)."""
-  return objective(layout, params, normalized_weights(batch))[1]["cross_entropy"]
+  """The next-token cross-entropy (over the weighted tokens, where the batch weights them), or the preference
+  loss under objective=dpo."""
+  value, stats = objective(layout, params, normalized_weights(batch))
+  return reported_loss(stats, value)
 
 
 def schedule_grad_fn(layout: Layout, scale=None):
@@ -145,6 +156,8 @@ def make_train_step(layout: Layout, config, donate: bool = True):
       # laid out as the parameters: under ZeRO-1 the base sequence is gathered once, not in each layer loop.
       at = jax.lax.with_sharding_constraint(schedule_free.gradient_point(state["opt_state"], state["params"]),
                                             layout.param_shardings)
+      if layout.preference is not None:
+        batch = preference.with_reference(layout, state.get("reference"), batch)
       (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
@@ -177,10 +190,12 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     new_state = {"step": state["step"] + 1, "params": params,
                  "opt_state": kept(finite, opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
-    # `loss` is the cross-entropy, comparable across dense and MoE runs; router figures ride along.
-    cross_entropy = stats.pop("cross_entropy", loss)
-    metrics = {**stats, "loss": cross_entropy, "grad_norm": grad_norm, "lr": lr,
+    # `loss` is the cross-entropy (or preference loss), comparable across dense and MoE runs; router figures
+    # ride along.
+    metrics = {**stats, "loss": reported_loss(stats, loss), "grad_norm": grad_norm, "lr": lr,
                "skipped": new_state["skipped"]}
+    if "reference" in state:
+      new_state["reference"] = state["reference"]
     if scale is not None:
       new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)
       metrics["loss_scale"] = scale
@@ -191,14 +206,22 @@ def make_train_step(layout: Layout, config, donate: bool = True):
                  out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0 if donate else ())
 
 
+def evaluated(state: dict) -> dict:
+  """What the eval step reads of a train state: the parameters, and the reference a preference loss compares
+  them with."""
+  return {key: state[key] for key in ("params", "reference") if key in state}
+
+
 def make_eval_step(layout: Layout):
-  """Held-out loss for one batch, on the same mesh and shardings as training."""
+  """Held-out loss for one batch, on the same mesh and shardings as training: (evaluated(state), batch) -> loss."""
 
-  def eval_step(params, batch):
+  def eval_step(weights, batch):
     with placed(placement.for_layout(layout)):
-      return loss_fn(layout, params, batch)
+      if layout.preference is not None:
+        batch = preference.with_reference(layout, weights.get("reference"), batch)
+      return loss_fn(layout, weights["params"], batch)
 
-  return jax.jit(eval_step, in_shardings=(layout.param_shardings, layout.batch_sharding),
+  return jax.jit(eval_step, in_shardings=(evaluated(layout.state_shardings), layout.batch_sharding),
                  out_shardings=layout.replicated())
 
 

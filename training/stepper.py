@@ -15,6 +15,7 @@ import numpy as np
 
 from input_pipeline import data
 from training.state import Layout
+from training.step import evaluated
 
 
 class Event(Protocol):
@@ -69,9 +70,9 @@ class Stepper(abc.ABC):
     pass
 
 
-def eval_loss(eval_step, layout: Layout, params, *, split, config) -> float:
-  """The mean loss of `params` over the first config.eval_batches batches of `split`."""
-  losses = [eval_step(params, data.global_batch(split, seed=config.seed, step=i, batch_size=config.batch_size,
+def eval_loss(eval_step, layout: Layout, state, *, split, config) -> float:
+  """The mean loss of `state`'s parameters over the first config.eval_batches batches of `split`."""
+  losses = [eval_step(evaluated(state), data.global_batch(split, seed=config.seed, step=i, batch_size=config.batch_size,
                                                 seq_len=layout.model.max_len, sharding=layout.batch_sharding))
             for i in range(config.eval_batches)]
   return float(np.mean(jax.device_get(losses)))

@@ -11,6 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from training import preference
+
 
 NONFINITE_POLICIES = ("skip", "stop")
 NONFINITE_CHECKS = ("scalars", "full")
@@ -102,6 +104,7 @@ def check_run(config) -> None:
     raise ValueError(f"moe.bias_rate={config.moe.bias_rate} moves each layer's router bias by its loads after the "
                      "optimizer's update, which schedule-free's averaged weights do not carry; balance by "
                      "moe.balance_weight with it, or use another optimizer.")
+  _check_preference(config)
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
@@ -114,6 +117,37 @@ def check_run(config) -> None:
   if config.nonfinite_check not in NONFINITE_CHECKS:
     raise ValueError(f"nonfinite_check={config.nonfinite_check!r} is unknown; use {' or '.join(NONFINITE_CHECKS)}.")
   _check_workdir(config.workdir)
+
+
+def _check_preference(config) -> None:
+  """Refuses a preference objective the run cannot train (training/preference.py)."""
+  if config.objective not in preference.OBJECTIVES:
+    raise ValueError(f"objective={config.objective!r} is unknown; use {' or '.join(preference.OBJECTIVES)}.")
+  if config.objective != "dpo":
+    return
+  if config.dpo.loss not in preference.LOSSES:
+    raise ValueError(f"dpo.loss={config.dpo.loss!r} is unknown; use one of {', '.join(preference.LOSSES)}.")
+  _finite_non_negative(config, "dpo.beta", "the log-ratio's scale; 0.1 is usual", zero=False)
+  _in_range(config, "dpo.label_smoothing", 0, 0.5, closed=False,
+            what="the assumed rate of flipped preferences, below 0.5; 0 trusts every label")
+  if config.dpo.label_smoothing and config.dpo.loss != "robust":
+    raise ValueError(f"dpo.label_smoothing={config.dpo.label_smoothing} acts on the robust loss only; add "
+                     "--config.dpo.loss=robust, or leave label_smoothing at 0.")
+  if config.data.source != "tokens":
+    raise ValueError(f"objective=dpo trains on preference pairs, which data.source={config.data.source!r} does not "
+                     "hold; prepare them with tools/prepare.py --chosen_field=... --rejected_field=... and give "
+                     "--config.data.source=tokens --config.data.path=DIR.")
+  for field, value, why in (("mesh.pipeline", config.mesh.pipeline > 1, "a pipeline's last stage scores tokens, "
+                             "not the pairs' answers; use mesh.pipeline=1"),
+                            ("model.mtp_depth", config.model.mtp_depth, "prediction modules train next tokens "
+                             "only; set model.mtp_depth=0"),
+                            ("branch_from", config.branch_from, "a branch carries another objective's optimizer "
+                             "state and step; export that run (tools/export.py) and start from it with "
+                             "--config.init_from=hf:DIR"),
+                            ("fault_tolerance", config.fault_tolerance == "survive", "survive mode steps on "
+                             "language-model batches; use fault_tolerance=none")):
+    if value:
+      raise ValueError(f"objective=dpo with {field}={_get(config, field)!r}: {why}.")
 
 
 def _check_workdir(workdir: str) -> None:
