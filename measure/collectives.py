@@ -103,7 +103,9 @@ def _gradients(run, mesh, weights, traffic):
       gathered = used // param_bytes * _gathered_bytes(run, w, weights)
       # A scanned stack's forward and backward loops gather apart; the prediction modules are no loop (model/mtp.py).
       scanned = w.stacked and w.path[:1] != (MTP,) and not pipelined
-      traffic[("all-gather", axis)] += accum * (2 if scanned else 1) * gather(gathered, mesh[axis])
+      # A preference objective's reference is gathered again for its one forward pass (its layout is the weights').
+      passes = accum * (2 if scanned else 1) + run.reference
+      traffic[("all-gather", axis)] += passes * gather(gathered, mesh[axis])
 
 
 def _optimizer(run, mesh, weights, traffic):
@@ -158,6 +160,9 @@ def _tensor_parallel(run, mesh, traffic):
   # Each prediction module looks its tokens up and runs the head again.
   traffic[("all-reduce", TENSOR)] += (forward * per_stage + backward * backward_stage
                                       + (1 + m.mtp_depth) * micro * all_reduce(outside, t))
+  if run.reference:  # its forward pass: each block's two outputs, the lookup and the softmax's reductions
+    traffic[("all-reduce", TENSOR)] += micro * (blocks * 2 * tokens + all_reduce(
+        d.activation_bytes(d.embed) + (d.tokens * 3 * F32_BYTES) // mesh[PIPELINE], t))
 
 
 def _pipeline(run, mesh, traffic):

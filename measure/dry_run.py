@@ -55,7 +55,7 @@ def comparison(config, mesh: dict, compiled, found, found_backend) -> list[tuple
   """
   weights = model_weights(config)
   mem, measured = estimate.memory(config, mesh, weights), analysis.memory_summary(compiled)
-  arguments = mem["params"] + mem["opt_state"] + mem["batch"]
+  arguments = mem["params"] + mem.get("reference", 0) + mem["opt_state"] + mem["batch"]
   temporaries = mem["grads"] + mem["activations"]
   rows = [(f"memory: {key}", value, None, None) for key, value in mem.items()]
   rows += [("memory: arguments (params + opt_state + batch)", arguments, measured["argument_bytes"], None),

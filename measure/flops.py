@@ -6,7 +6,7 @@ import math
 
 from measure.sizes import (blocks_run, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
                            optimizer_of, routed_blocks, run_of, stage_elements)
-from parallel import context, rules
+from parallel import context, rules, schedules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
 
@@ -87,9 +87,14 @@ def flops(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head_elements = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
   # Each multi-token prediction module scores every position through the head too.
-  head = (1 + run.model.mtp_depth) * 3 * 2 * head_tokens * head_elements
+  # A preference objective's head runs a chunk at a time, recomputed in the backward pass (sequence_log_probs).
+  head_passes = 3 if run.objective == "lm" else 4
+  head = (1 + run.model.mtp_depth) * head_passes * 2 * head_tokens * head_elements
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,
          "optimizer": optimizer_flops(run, mesh, weights)}
+  if run.reference:  # its forward pass over the step's tokens, no backward
+    micro = schedules.micro_batches(run, mesh[PIPELINE])
+    out["reference"] = micro * forward + 2 * head_tokens * head_elements
   return {**out, "total": sum(out.values())}
 
 

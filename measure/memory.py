@@ -16,7 +16,8 @@ def memory(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   run = run_of(run)
   d = dims(run, mesh)
   local_batch = run.batch_size // (mesh[DATA] * mesh[EXPERT])
-  return {**state(run, mesh, weights), "batch": 2 * local_batch * d.length * INT32_BYTES,
+  arrays = 2 if run.objective == "lm" else 3  # inputs and targets; a preference answer's mask too
+  return {**state(run, mesh, weights), "batch": arrays * local_batch * d.length * INT32_BYTES,
           "activations": activations(run, d, weights)}
 
 
@@ -30,7 +31,8 @@ def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   moments = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.optimizer_rules(zero, axis))) * per_element
                 for w, per_element in zip(weights, optimizer_state_bytes(run, weights)))
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
-  return {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
+  held = {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
+  return {**held, "reference": params} if run.reference else held
 
 
 # The planner asks the same optimizer of the same weights on thousands of layouts.

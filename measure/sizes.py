@@ -14,7 +14,7 @@ from model.transformer import chunk_count, chunk_positions
 from parallel import context, rules, schedules, stages as stage_split
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
-from training import optimizer
+from training import optimizer, preference
 from training.state import model_config
 
 
@@ -44,26 +44,32 @@ class Run:
   model, the batch, the layout's settings (named as the config's keys, so the planner sets them by key) and
   the optimizer."""
   model: ModelConfig
-  batch_size: int
+  batch_size: int  # sequences per step: a preference pair (objective=dpo) is two, its prompt with each answer
   grad_accum: int
   attention: Attention
   pipeline: Pipeline
   sharding: Sharding
   optimizer: Any  # config.optimizer, which its registered costs read (training/optimizer.py)
   moments: str  # precision.moments
+  # objective=dpo's frozen reference (training/preference.py): float32 weights laid out as the parameters, run
+  # forward once per step on the whole batch
+  reference: bool = False
+  objective: str = "lm"
 
 
 def run_of(config) -> Run:
   """The Run of a config (or the Run given)."""
   if isinstance(config, Run):
     return config
-  p = config.pipeline
-  return Run(model=model_config(config), batch_size=config.batch_size, grad_accum=config.grad_accum,
+  p, settings = config.pipeline, preference.settings(config)
+  return Run(model=model_config(config), batch_size=config.batch_size * (1 if settings is None else 2),
+             grad_accum=config.grad_accum,
              attention=Attention(config.attention.context),
              pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages, p.first_stage_layers,
                                p.last_stage_layers),
              sharding=Sharding(config.sharding.zero, config.sharding.fsdp_group), optimizer=config.optimizer,
-             moments=config.precision.moments)
+             moments=config.precision.moments, reference=bool(settings and settings.uses_reference),
+             objective=config.objective)
 
 
 def replaced(run: Run, flags: dict) -> Run:

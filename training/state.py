@@ -84,7 +84,8 @@ def plan(config, devices=None) -> Layout:
   check_backend(cfg, mesh.devices.flat[0])
   cfg = dataclasses.replace(cfg, attention=attention_kernel(cfg, dict(mesh.shape), mesh.devices.flat[0].platform))
   micro = schedules.micro_batches(config, mesh.shape[PIPELINE])
-  rows = config.batch_size // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
+  sequences = config.batch_size * (1 if preference.settings(config) is None else 2)  # a pair is two
+  rows = sequences // micro // (mesh.shape[DATA] * mesh.shape[EXPERT])
   to_positions = lambda tokens: chunk_positions(tokens, rows, mesh.shape[SEQUENCE]) if tokens else 0
   cfg = dataclasses.replace(cfg, loss_chunk=to_positions(cfg.loss_chunk), mlp_chunk=to_positions(cfg.mlp_chunk),
                             gathered_lookup=bool(config.sharding.fsdp_group))
