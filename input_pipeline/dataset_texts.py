@@ -42,17 +42,22 @@ def dataset_completions(dataset: str, prompt_field: str, completion_field: str) 
 
 
 class PreferencePair(NamedTuple):
-  """A prompt with the answer preferred and the answer passed over (objective=dpo's records)."""
-  prompt: str
-  chosen: str
-  rejected: str
+  """A prompt with the answer preferred and the answer passed over (objective=dpo's records): three texts, or
+  three conversations (lists of messages, TRL's conversational format: the prompt's turns, then each answer's)."""
+  prompt: str | list
+  chosen: str | list
+  rejected: str | list
 
 
 def dataset_pairs(dataset: str, prompt_field: str, chosen_field: str, rejected_field: str) -> Iterator[PreferencePair]:
-  """Each record's PreferencePair, in order; refuses, in one line, a record that lacks one of its texts."""
-  records = dataset_records(dataset, {"--text_field": prompt_field, "--chosen_field": chosen_field,
-                                      "--rejected_field": rejected_field}, read=_present_text)
-  return (PreferencePair(*texts) for texts in records)
+  """Each record's PreferencePair, in order; refuses, in one line, a record that lacks one of its parts or
+  mixes texts with conversations."""
+  fields = {"--text_field": prompt_field, "--chosen_field": chosen_field, "--rejected_field": rejected_field}
+  for number, parts in enumerate(dataset_records(dataset, fields, read=_text_or_messages)):
+    if len({type(part) for part in parts}) > 1:
+      raise ValueError(f"record {number} of {dataset} mixes texts and conversations in {', '.join(fields.values())}; "
+                       "give all three as text, or all three as lists of messages.")
+    yield PreferencePair(*parts)
 
 
 def dataset_records(dataset: str, fields: dict[str, str], split: str = "train", read=None) -> Iterator[tuple]:
@@ -166,6 +171,13 @@ def _text(record: dict, number: int, name: str, flag: str, field: str) -> str:
     raise ValueError(f"record {number} of {name} has a {type(text).__name__} in {field!r}, not "
                      f"text; pass the field that holds each document's text as {flag}, or drop that record.")
   return text or ""
+
+
+def _text_or_messages(record: dict, number: int, name: str, flag: str, field: str) -> str | list:
+  """A field that holds text or a conversation (a list of messages)."""
+  if isinstance(record.get(field), list):
+    return _messages(record, number, name, flag, field)
+  return _present_text(record, number, name, flag, field)
 
 
 def _messages(record: dict, number: int, name: str, flag: str, field: str) -> list:

@@ -67,6 +67,7 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
     raise ValueError(f"{output_dir} already holds a prepared dataset ({', '.join(existing)}); "
                      "pass --overwrite to replace it.")
   tok = tokenizer.load_tokenizer(tokenizer_name)  # refuses a bad name before anything is read
+  chat = bool(messages_field)  # records rendered with the tokenizer's chat template
   if messages_field:
     if not isinstance(tok, tokenizer.HfTokenizer):
       raise ValueError(f"--messages_field renders the tokenizer's chat template, which --tokenizer={tokenizer_name} "
@@ -75,6 +76,14 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
     texts = dataset_conversations(dataset, messages_field)
   elif chosen_field:
     texts = dataset_pairs(dataset, text_field, chosen_field, rejected_field)
+    first = next(texts)
+    chat = isinstance(first.prompt, list)  # conversations
+    if chat:
+      if not isinstance(tok, tokenizer.HfTokenizer):
+        raise ValueError(f"conversations in --chosen_field are rendered with the tokenizer's chat template, which "
+                         f"--tokenizer={tokenizer_name} lacks; give the chat model's as --tokenizer=hf:DIR.")
+      chat_template.ChatTemplate(tok.folder)
+    texts = itertools.chain([first], texts)
   elif completion_field:
     texts = dataset_completions(dataset, text_field, completion_field)
   elif dataset is not None:
@@ -87,7 +96,7 @@ def prepare(input_dir, output_dir, *, tokenizer_name: str = "byte", val_fraction
 
     def counted():  # the documents' ids as they stream by, counted, none kept
       nonlocal documents
-      for chunk in encoded(texts, tokenizer_name, workers, chat=bool(messages_field)):
+      for chunk in encoded(texts, tokenizer_name, workers, chat=chat):
         bar.update(sum(len(ids) for ids, _ in chunk) if pairs else len(chunk[0] if masked else chunk))
         documents += 1
         yield chunk
@@ -143,7 +152,7 @@ def _load_worker_tokenizer(name: str, chat: bool):
 
 def _encode_batch(texts: list) -> list:
   encode = {tuple: lambda pair: _encode_pair(*pair), list: _encode_conversation, str: _encode_document,
-            PreferencePair: lambda p: (_encode_pair(p.prompt, p.chosen), _encode_pair(p.prompt, p.rejected))}
+            PreferencePair: _encode_preference}
   return [encode[type(text)](text) for text in texts]
 
 
@@ -157,12 +166,23 @@ def _encode_pair(prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
   return np.concatenate([prompt_ids, completion_ids]).astype(np.int32), mask
 
 
-def _encode_conversation(messages: list) -> tuple[np.ndarray, np.ndarray]:
+def _encode_conversation(messages: list, scored_turns: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(ids, mask) of a conversation: its assistant turns scored, or only the last `scored_turns` of them."""
   try:
     text, spans = _worker_chat.assistant_spans(messages)
   except ValueError as error:
     raise ValueError(f"the conversation that begins {messages[0]['content'][:40]!r}: {error}") from None
   ids, offsets = _worker_tokenizer.encode_with_offsets(text)
   ends_on_answer = np.uint8(messages[-1]["role"] == "assistant")
+  kept = spans if scored_turns is None else spans[len(spans) - scored_turns:]
   return (np.append(ids, np.int32(_worker_tokenizer.end_of_text)).astype(np.int32),
-          np.append(chat_template.scored_tokens(offsets, spans), ends_on_answer))
+          np.append(chat_template.scored_tokens(offsets, kept), ends_on_answer))
+
+
+def _encode_preference(pair: PreferencePair) -> tuple:
+  """The prompt with each answer: texts as a prompt and completion are; conversations rendered whole, only the
+  answer's assistant turns scored (not those of the prompt's earlier exchanges)."""
+  if not isinstance(pair.prompt, list):
+    return _encode_pair(pair.prompt, pair.chosen), _encode_pair(pair.prompt, pair.rejected)
+  answer_turns = lambda answer: sum(message["role"] == "assistant" for message in answer)
+  return tuple(_encode_conversation(pair.prompt + answer, answer_turns(answer)) for answer in (pair.chosen, pair.rejected))

@@ -166,3 +166,27 @@ def test_chat_records_need_a_chat_template_and_conversations(tokenizer_dir, chat
                                        r"earlier turns differently once later ones follow"):
     run(f"hf:{tmp_path / 'last'}", "chats.jsonl")
   assert not (tmp_path / "out").exists()
+
+
+def test_conversational_preference_pairs_score_only_each_answer(chat_tokenizer_dir, tmp_path):
+  prompt = CONVERSATIONS[0][:3]  # a user turn, an assistant turn, then the user's question
+  records = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "the model"}],
+              "rejected": [{"role": "assistant", "content": "héllo"}]}]
+  (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  prepare.prepare(None, tmp_path / "out", tokenizer_name=f"hf:{chat_tokenizer_dir}", val_fraction=0.0,
+                  dataset=str(tmp_path / "pairs.jsonl"), text_field="prompt", chosen_field="chosen",
+                  rejected_field="rejected")
+  split = data.open_split(data_config(path=tmp_path / "out"), "train", vocab_size=512)
+  tok = load_tokenizer(f"hf:{chat_tokenizer_dir}")
+  (first, middle, stop), = split.pairs
+  for (start, end), answer in (((first, middle), "the model"), ((middle, stop), "héllo")):
+    tokens, mask = split.tokens[start:end], split.mask[start:end]
+    assert tok.decode(tokens).startswith(tok.decode(split.tokens[first:first + 5]))  # the prompt, rendered again
+    # Scored: the answer's turn and the end-of-text, not the prompt's own assistant turn (print('hello')).
+    assert tok.decode(np.where(mask, tokens, tok.vocab_size)).replace("\ufffd", "") == \
+        f"{answer}<|im_end|>\n<|endoftext|>"
+  (tmp_path / "mixed.jsonl").write_text(json.dumps({**records[0], "rejected": "héllo"}) + "\n")
+  with pytest.raises(ValueError, match=r"mixes texts and conversations"):
+    prepare.prepare(None, tmp_path / "mixed", tokenizer_name=f"hf:{chat_tokenizer_dir}",
+                    dataset=str(tmp_path / "mixed.jsonl"), text_field="prompt", chosen_field="chosen",
+                    rejected_field="rejected")
