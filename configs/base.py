@@ -232,6 +232,7 @@ def base() -> ml_collections.ConfigDict:
   c.dpo.beta = 0.1  # how far the policy may move from the reference: the log-ratio's scale
   c.dpo.label_smoothing = 0.0  # robust: the assumed rate of flipped preferences, in [0, 0.5)
   c.dpo.gamma = 0.5  # simpo: the reward margin the chosen answer must clear
+  c.dpo.sft_weight = 0.0  # > 0: plus this times the chosen answers' mean negative log-likelihood per token (RPO)
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic

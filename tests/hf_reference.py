@@ -16,9 +16,10 @@ transformers take seconds to import, so the tests batch their questions):
   {"harness": D, "tasks": [...], "include_path": P, "max_length": L, "out": O.json}
       lm-evaluation-harness's own Hugging Face class on D: each task's metrics and each document's responses
   {"dpo": D, "reference": R, "examples": [{"prompt_ids", "chosen_ids", "rejected_ids"}, ...], "loss_type": L, "beta": B,
-   "label_smoothing": S, "gamma": G, "out": O.npz}
+   "label_smoothing": S, "gamma": G, "sft_weight": W, "out": O.npz}
       TRL's DPOTrainer (trl 1.16; CPOTrainer's loss for "simpo") on D against the model in R: the loss,
-      the mean chosen and rejected rewards, the mean margin and accuracy, and the loss's gradient of each weight
+      the mean chosen and rejected rewards, the mean margin and accuracy, and the loss's gradient of each weight;
+      with W > 0, TRL's "sft" loss added at weight W
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
                                                          and rotary settings),
                                                          and D2's dropout rates
@@ -206,7 +207,9 @@ def dpo(job):
                                       eos_token="t0", pad_token="t0")
   simpo = job["loss_type"] == "simpo"
   with tempfile.TemporaryDirectory() as folder:
-    args = DPOConfig(output_dir=folder, beta=job["beta"], loss_type=["sigmoid" if simpo else job["loss_type"]],
+    loss_types = ["sigmoid" if simpo else job["loss_type"]] + (["sft"] if job["sft_weight"] else [])
+    args = DPOConfig(output_dir=folder, beta=job["beta"], loss_type=loss_types,
+                     loss_weights=[1.0, job["sft_weight"]][:len(loss_types)],
                      label_smoothing=job["label_smoothing"], max_length=None, report_to=[], use_cpu=True,
                      bf16=False)  # TRL's default would run the reference under bfloat16 autocast
     trainer = DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,

@@ -31,7 +31,9 @@ VOCAB, BATCH = 300, 8
 GPT2 = dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128)
 # Each loss with the settings it is checked at: beta 0.5 keeps the sigmoid's slope far from flat.
 LOSSES = {"sigmoid": {"dpo.beta": 0.5}, "robust": {"dpo.beta": 0.5, "dpo.label_smoothing": 0.2},
-          "ipo": {"dpo.beta": 0.5}, "simpo": {"dpo.beta": 2.0, "dpo.gamma": 0.3}}
+          "ipo": {"dpo.beta": 0.5}, "simpo": {"dpo.beta": 2.0, "dpo.gamma": 0.3},
+          # DPO with the chosen answers' log-likelihood beside it (TRL's loss_type=["sigmoid", "sft"])
+          "sigmoid+sft": {"dpo.beta": 0.5, "dpo.sft_weight": 0.7}}
 FOUR = {"mesh.data": 2, "mesh.tensor": 2}
 
 
@@ -69,8 +71,9 @@ def trl(tmp_path_factory):
   jobs = [{"make": "gpt2", "dir": str(where / name), "config": GPT2, "seed": seed, "save": {}}
           for name, seed in (("policy", 0), ("reference", 1))]
   jobs += [{"dpo": str(where / "policy"), "reference": str(where / "reference"), "examples": examples,
-            "loss_type": loss, "beta": settings["dpo.beta"], "label_smoothing": settings.get("dpo.label_smoothing", 0.0),
-            "gamma": settings.get("dpo.gamma", 0.0), "out": str(where / f"trl_{loss}.npz")}
+            "loss_type": loss.split("+")[0], "beta": settings["dpo.beta"],
+            "label_smoothing": settings.get("dpo.label_smoothing", 0.0), "gamma": settings.get("dpo.gamma", 0.0),
+            "sft_weight": settings.get("dpo.sft_weight", 0.0), "out": str(where / f"trl_{loss}.npz")}
            for loss, settings in LOSSES.items()]
   run_reference(jobs, where)
   return where
@@ -79,7 +82,7 @@ def trl(tmp_path_factory):
 def meshlm_step(where, loss, devices, **overrides):
   """(loss, statistics, gradients exported under transformers' names) of the first batch on `devices`."""
   config = tiny_config(init_from=f"hf:{where / 'policy'}", objective="dpo", batch_size=BATCH, **LOSSES[loss],
-                       **{"dpo.loss": loss, "data.source": "tokens", "data.path": str(where / "pairs")}, **overrides)
+                       **{"dpo.loss": loss.split("+")[0], "data.source": "tokens", "data.path": str(where / "pairs")}, **overrides)
   policy = hf_checkpoint.open_init_from(config.init_from)
   config = set_fields(config, policy.model_fields(config))
   layout = plan(config, devices)

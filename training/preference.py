@@ -12,7 +12,9 @@ The losses follow TRL's DPOTrainer (trl 1.16), which tests/test_preference.py ch
   simpo    -log sigmoid(beta x (chosen - rejected per answer token) - gamma), no reference     (Meng et al.)
 
 Rewards (beta x the log-ratio to the reference; SimPO's are beta x the mean log-probability), their margin and
-how often the chosen answer's is the larger are logged with the loss.
+how often the chosen answer's is the larger are logged with the loss. `sft_weight` adds that many times the chosen
+answers' mean negative log-likelihood per token (TRL's "sft" loss beside another; RPO, Pang et al. 2024), which keeps
+DPO from lowering the chosen answers' probability along with the rejected ones'.
 """
 
 import dataclasses
@@ -38,6 +40,7 @@ class Preference:
   beta: float
   label_smoothing: float
   gamma: float
+  sft_weight: float = 0.0
 
   @property
   def uses_reference(self) -> bool:
@@ -49,7 +52,7 @@ def settings(config) -> Preference | None:
   if config.objective != "dpo":
     return None
   return Preference(loss=config.dpo.loss, beta=config.dpo.beta, label_smoothing=config.dpo.label_smoothing,
-                    gamma=config.dpo.gamma)
+                    gamma=config.dpo.gamma, sft_weight=config.dpo.sft_weight)
 
 
 def batch_keys() -> tuple[str, ...]:
@@ -89,6 +92,8 @@ def objective(layout, params, batch):
   settings_, beta = layout.preference, layout.preference.beta
   chosen_B, rejected_B, stats = answer_log_probs(layout, params, batch)
   lengths = {answer: jnp.maximum(batch[f"{answer}_mask"].sum(-1), 1).astype(jnp.float32) for answer in ANSWERS}
+  # Summed over the batch's chosen tokens, not per row: TRL's "sft" loss is the mean over all of them.
+  nll = -chosen_B.sum() / batch["chosen_mask"].sum().astype(jnp.float32) if settings_.sft_weight else 0.0
   if settings_.uses_reference:
     chosen_B, rejected_B = chosen_B - batch["reference_chosen"], rejected_B - batch["reference_rejected"]
   delta_B = chosen_B - rejected_B
@@ -105,7 +110,7 @@ def objective(layout, params, batch):
   if settings_.loss == "simpo":
     chosen_B, rejected_B = chosen_B / lengths["chosen"], rejected_B / lengths["rejected"]
   rewards = {answer: jax.lax.stop_gradient(beta * r_B) for answer, r_B in zip(ANSWERS, (chosen_B, rejected_B))}
-  loss = losses_B.mean()
+  loss = losses_B.mean() + settings_.sft_weight * nll
   figures = {LOSS: loss, "dpo_chosen_reward": rewards["chosen"].mean(),
              "dpo_rejected_reward": rewards["rejected"].mean(),
              "dpo_margin": (rewards["chosen"] - rewards["rejected"]).mean(),

@@ -130,6 +130,7 @@ def _check_preference(config) -> None:
   _finite_non_negative(config, "dpo.beta", "the log-ratio's scale; 0.1 is usual", zero=False)
   _in_range(config, "dpo.label_smoothing", 0, 0.5, closed=False,
             what="the assumed rate of flipped preferences, below 0.5; 0 trusts every label")
+  _finite_non_negative(config, "dpo.sft_weight", "the chosen answers' log-likelihood's weight; 0 leaves it out")
   if config.dpo.label_smoothing and config.dpo.loss != "robust":
     raise ValueError(f"dpo.label_smoothing={config.dpo.label_smoothing} acts on the robust loss only; add "
                      "--config.dpo.loss=robust, or leave label_smoothing at 0.")
