@@ -234,6 +234,12 @@ def base() -> ml_collections.ConfigDict:
   c.dpo.gamma = 0.5  # simpo: the reward margin the chosen answer must clear
   c.dpo.sft_weight = 0.0  # > 0: plus this times the chosen answers' mean negative log-likelihood per token (RPO)
 
+  # LoRA (training/lora.py): rank > 0 trains low-rank adapters on the targeted projections, every weight frozen
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0
+  c.lora.alpha = 16.0  # the adapters' product is scaled by alpha / rank
+  c.lora.targets = "attention"  # a comma list of attention, mlp, or kernels: qkv, q, k, v, out, up, gate, down
+
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic
   c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py

@@ -12,6 +12,7 @@ from interop import hf_checkpoint
 from parallel.mesh import AXES
 from training.checkpoint import Checkpoints
 from training.state import param_count, plan
+from training.step import model_entries, model_weights
 
 
 def export(workdir: str, output: str, step: int | None = None, dtype: str = "float32") -> str:
@@ -29,9 +30,10 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str = "flo
     # The parameters only need to fit one host.
     config = restored(checkpoints.stored_config(step), {f"mesh.{axis}": 1 for axis in AXES})
     layout = plan(config, jax.devices("cpu")[:1])
+    # The weights the model computes with: LoRA's adapters merged into the frozen parameters.
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                            layout.abstract_state["params"], layout.param_shardings)
-    params = jax.device_get(checkpoints.restore_params(step, abstract))
+                            layout.abstract_state, layout.state_shardings)
+    params = jax.device_get(model_weights(layout, checkpoints.restore_weights(step, model_entries(abstract))))
   finally:
     checkpoints.close()
   folder = tokenizer_folder(config)

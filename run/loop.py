@@ -27,7 +27,8 @@ from run.resume import open_branch, start_state
 from training import metrics
 from training.checkpoint import Checkpoints, data_record, tokenizer_record
 from training.sample import check_request, encode_prompt, generate
-from training.state import active_param_count, param_count, plan
+from training.state import active_param_count, param_count, plan, trained_count
+from training.step import model_weights
 from training.stepper import Stepper, eval_due
 from training.validate import check_run
 
@@ -115,7 +116,9 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
     return {}
   writer = metrics.MetricsWriter(config.workdir, after_step=start, config=config)
   active = "" if not layout.model.num_experts else f" ({active_param_count(layout):,} active per token)"
-  log(f"training {param_count(layout):,} parameters{active} on {layout.mesh.size} devices, "
+  adapters = "" if not layout.lora else (f" through {trained_count(layout):,} adapter parameters of rank "
+                                         f"{layout.lora.rank} (the rest frozen)")
+  log(f"training {param_count(layout):,} parameters{active}{adapters} on {layout.mesh.size} devices, "
       f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
   last, done, speed = {}, start, _Speed(config, layout, start)
   nonfinite = NonfiniteUpdates(config.nonfinite, start, int(jax.device_get(state["skipped"])))
@@ -156,7 +159,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
       with ledger.timing("checkpoint_save"):
         checkpoints.wait()
       if config.sample_tokens:
-        log("sample: " + _sample(stepper.layout, state["params"], config, text_tokenizer))
+        log("sample: " + _sample(stepper.layout, model_weights(stepper.layout, state), config, text_tokenizer))
     record = ledger.write(config.workdir, done) if writer.active else ledger.record()
   log("where the wall time went:\n" + goodput.table({"this run": goodput.attempt_totals(record)}))
   return last

@@ -54,7 +54,7 @@ def start_state(config, layout, checkpoints: Checkpoints, branch: tuple[Checkpoi
     log(f"branching from step {branch_step} in {branch.directory}, which is left as it is")
   elif pretrained is not None:
     log(f"initialising from {pretrained.describe(layout.model)}")
-    state = state_from_params(layout, pretrained.load_params(layout))
+    state = state_from_params(layout, pretrained.load_params(layout), config.seed)
   else:
     state = init_state(layout, config.seed)
   return start, state

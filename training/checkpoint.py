@@ -216,16 +216,20 @@ class Checkpoints:
 
   def restore_params(self, step: int, abstract_params):
     """Only the params of `step` (no optimizer state), laid out by the shardings in `abstract_params`."""
-    item = {"params": abstract_params}
-    args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+    return self.restore_weights(step, {"params": abstract_params})["params"]
+
+  def restore_weights(self, step: int, abstract: dict) -> dict:
+    """Only the entries of the state of `step` that `abstract` names (the params, LoRA's adapters: no optimizer
+    state), laid out by its shardings."""
+    args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                                   partial_restore=True)
-    params = self._read(step, lambda: ocp.PyTreeCheckpointer().restore(
-        self.directory / str(step) / "state", args=args)["params"])
-    changed = self.changed_leaf(step, {"params": params})
+    weights = self._read(step, lambda: ocp.PyTreeCheckpointer().restore(self.directory / str(step) / "state",
+                                                                         args=args))
+    changed = self.changed_leaf(step, weights)
     if changed:
       raise ValueError(f"checkpoint step {step} in {self.directory} has changed since it was saved "
                        f"({changed} does not match its fingerprint); it was left untouched: use another step.")
-    return params
+    return weights
 
   def changed_leaf(self, step: int, restored) -> str | None:
     """The first leaf of `restored` (all or part of the state of `step`) whose fingerprint differs

@@ -21,6 +21,7 @@ from parallel import placement, rules
 from parallel.mesh import DATA, EXPERT
 from training.checkpoint import Checkpoints
 from training.state import Layout, abstract_inputs, plan
+from training.step import model_entries, model_weights
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -128,7 +129,8 @@ def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None
                            {**{f"mesh.{axis}": size for axis, size in (mesh_sizes or {}).items()},
                             **({"precision.compute": compute} if compute else {})})
     layout = plan(config)
-    params = checkpoints.restore_params(step, abstract_inputs(layout, config)[0]["params"])
+    state = abstract_inputs(layout, config)[0]
+    params = model_weights(layout, checkpoints.restore_weights(step, model_entries(state)))
   finally:
     checkpoints.close()
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)

@@ -20,8 +20,9 @@ from model.transformer import STACKED, chunk_positions
 from parallel import rules, schedules, stages
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
-from training import loss_scale, preference
+from training import lora, loss_scale, preference
 from training.optimizer import make_optimizer
+from training.lora import Lora
 from training.preference import Preference
 
 
@@ -65,6 +66,13 @@ class Layout:
   context: str  # the attention strategy over `sequence`; "none" on a mesh without sequence shards
   initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
   preference: Preference | None = None  # objective=dpo's settings; None for a language model
+  lora: Lora | None = None  # LoRA's settings: the state's "adapters" train, its "params" stay frozen
+  logical: dict | None = None  # the parameters' logical PartitionSpecs
+
+  @property
+  def trained_shardings(self):
+    """Where what the optimizer updates lies: the adapters under LoRA, else the parameters."""
+    return self.state_shardings[lora.ADAPTERS if self.lora else "params"]
 
   @property
   def param_shardings(self):
@@ -106,20 +114,31 @@ def plan(config, devices=None) -> Layout:
     return {**rules.shardings(logical, mesh, rule_set),
             STACKED: rules.shardings(logical[STACKED], mesh, stack_rules(rule_set))}
 
-  # The optimizer lays out what it gathers (Muon's hidden matrices, all in the stack) as the stack's moments lie.
-  tx = make_optimizer(config, params_abstract, logical, mesh, stack_rules(rules.optimizer_rules(zero, axis)))
-  opt_abstract = jax.eval_shape(tx.init, params_abstract)
   param_shardings = placed(rules.weight_rules(zero, axis))
   moment_shardings = placed(rules.optimizer_rules(zero, axis))
+  # What the optimizer updates: the parameters, or under LoRA the adapters, laid out by the same rules.
+  adapters = lora.settings(config)
+  trained, trained_logical = params_abstract, logical
+  trained_moments = moment_shardings
+  if adapters:
+    trained, trained_logical = lora.abstract_adapters(adapters, params_abstract, logical)
+    trained_moments = rules.shardings(trained_logical, mesh, rules.optimizer_rules(zero, axis))
+  # The optimizer lays out what it gathers (Muon's hidden matrices, all in the stack) as the stack's moments lie.
+  tx = make_optimizer(config, trained, trained_logical, mesh, stack_rules(rules.optimizer_rules(zero, axis)))
+  opt_abstract = jax.eval_shape(tx.init, trained)
   replicated = NamedSharding(mesh, P())
-  opt_shardings = _moment_leaves(opt_abstract, params_abstract, moment_shardings, replicated)
+  opt_shardings = _moment_leaves(opt_abstract, trained, trained_moments, replicated)
   state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                      "skipped": replicated}
   counter = jax.ShapeDtypeStruct((), jnp.int32)
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
+  if adapters:
+    abstract_state[lora.ADAPTERS] = trained
+    state_shardings[lora.ADAPTERS] = rules.shardings(trained_logical, mesh, rules.weight_rules(zero, axis))
   settings = preference.settings(config)
-  if settings and settings.uses_reference:  # the frozen weights the policy is compared with, laid out as its own
+  if settings and settings.uses_reference and not adapters:  # the frozen weights the policy is compared with
+    # (under LoRA the frozen parameters are that reference already), laid out as its own
     abstract_state["reference"], state_shardings["reference"] = params_abstract, param_shardings
   if loss_scale.uses_loss_scaling(config):
     abstract_state["loss_scale"] = jax.eval_shape(loss_scale.initial, float(config.precision.loss_scale))
@@ -132,7 +151,7 @@ def plan(config, devices=None) -> Layout:
                 virtual_stages=schedules.virtual_stages(config.pipeline), stage_units=stage_units,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None,
-                preference=settings)
+                preference=settings, lora=adapters, logical=logical)
 
 
 def _moment_leaves(opt_state, params, moment_shardings, other):
@@ -156,21 +175,27 @@ def init_state(layout: Layout, seed: int) -> dict:
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return _first_state(layout, params)
+    return _first_state(layout, params, seed)
 
   return jax.jit(init, out_shardings=layout.state_shardings)()
 
 
-def state_from_params(layout: Layout, params: dict) -> dict:
-  """Step 0 around given parameters (already in their shardings, and donated): fresh optimizer state."""
-  return jax.jit(lambda p: _first_state(layout, p), out_shardings=layout.state_shardings,
+def state_from_params(layout: Layout, params: dict, seed: int = 0) -> dict:
+  """Step 0 around given parameters (already in their shardings, and donated): fresh optimizer state (and under
+  LoRA fresh adapters, drawn from `seed`)."""
+  return jax.jit(lambda p: _first_state(layout, p, seed), out_shardings=layout.state_shardings,
                  donate_argnums=0)(params)
 
 
-def _first_state(layout: Layout, params: dict) -> dict:
-  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(params),
+def _first_state(layout: Layout, params: dict, seed: int) -> dict:
+  trained = params
+  if layout.lora:
+    trained = lora.initial(layout.lora, layout.abstract_state["params"], layout.logical, seed)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.tx.init(trained),
            "skipped": jnp.zeros((), jnp.int32)}
-  if layout.preference and layout.preference.uses_reference:  # a copy: the parameters are updated in place
+  if layout.lora:
+    state[lora.ADAPTERS] = trained
+  if "reference" in layout.abstract_state:  # a copy: the parameters are updated in place
     state["reference"] = jax.tree.map(jnp.copy, params)
   if layout.initial_loss_scale is not None:
     state["loss_scale"] = loss_scale.initial(layout.initial_loss_scale)
@@ -179,6 +204,11 @@ def _first_state(layout: Layout, params: dict) -> dict:
 
 def param_count(layout: Layout) -> int:
   return sum(x.size for x in jax.tree.leaves(layout.abstract_state["params"]))
+
+
+def trained_count(layout: Layout) -> int:
+  """Parameters the optimizer updates: all of them, or LoRA's adapters."""
+  return sum(x.size for x in jax.tree.leaves(layout.abstract_state[lora.ADAPTERS if layout.lora else "params"]))
 
 
 def active_param_count(layout: Layout) -> int:

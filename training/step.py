@@ -1,5 +1,7 @@
 """The compiled train and eval steps: `(state, batch) -> (state, metrics)` under one jax.jit."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -11,7 +13,7 @@ from model.placement import placed
 from model.stack import STACKED
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
-from training import loss_scale, preference, schedule_free
+from training import lora, loss_scale, preference, schedule_free
 from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
@@ -62,16 +64,17 @@ def loss_fn(layout: Layout, params, batch) -> jax.Array:
   return reported_loss(stats, value)
 
 
-def schedule_grad_fn(layout: Layout, scale=None):
-  """(params, batch) -> ((loss, stats), grads) for the layout: gradients belong to the pipeline schedule.
+def schedule_grad_fn(layout: Layout, scale=None, weights=None):
+  """(trained, batch) -> ((loss, stats), grads) for the layout: gradients belong to the pipeline schedule.
 
   With a loss `scale` the gradients are of scale x loss (float16 loss scaling); the loss returned
   is unscaled. A pipeline's loss and statistics are the means over its micro-batches, as
-  grad_accum's are over its own (parallel/pipeline.py).
+  grad_accum's are over its own (parallel/pipeline.py). `weights` makes the model's parameters of what trains
+  (LoRA's adapters merged into the frozen weights); without, what trains is the parameters.
   """
-  if layout.schedule != "none":
+  if layout.schedule != "none":  # parallel/checks.py keeps LoRA off pipelines
     return lambda p, b: pipeline.loss_and_grads(layout, p, b, scale)
-  loss_of = lambda p, b: objective(layout, p, b)
+  loss_of = lambda p, b: objective(layout, p if weights is None else weights(p), b)
   if scale is None:
     return jax.value_and_grad(loss_of, has_aux=True)
 
@@ -86,12 +89,13 @@ def schedule_grad_fn(layout: Layout, scale=None):
   return grad_fn
 
 
-def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
+def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None, weights=None):
   """((objective, stats), gradients), each the mean over `grad_accum` micro-batches of the batch.
 
-  Under a loss `scale` the gradients stay scaled: the caller checks them for overflow, then unscales.
+  Under a loss `scale` the gradients stay scaled: the caller checks them for overflow, then unscales. `params` is
+  what trains (schedule_grad_fn's `weights`).
   """
-  grad_fn = schedule_grad_fn(layout, scale)
+  grad_fn = schedule_grad_fn(layout, scale, weights)
   batch = normalized_weights(batch)
   if grad_accum == 1:
     return grad_fn(params, batch)
@@ -100,7 +104,7 @@ def loss_and_grads(layout: Layout, params, batch, grad_accum: int, scale=None):
     (loss, stats), grads = grad_fn(params, micro_batch)
     grads = jax.tree.map(jnp.add, carry[1], grads)
     return (jax.tree.map(jnp.add, carry[0], (loss, stats)),
-            jax.lax.with_sharding_constraint(grads, layout.param_shardings)), None
+            jax.lax.with_sharding_constraint(grads, layout.trained_shardings)), None
 
   micro_batches = jax.tree.map(lambda x: microbatch.split(x, grad_accum, layout.mesh), batch)
   first = jax.tree.map(lambda x: x[0], micro_batches)
@@ -151,24 +155,26 @@ def make_train_step(layout: Layout, config, donate: bool = True):
 
   def train_step(state, batch):
     scale = state["loss_scale"]["scale"] if "loss_scale" in state else None
+    trained = lora.ADAPTERS if layout.lora else "params"
+    weights = functools.partial(lora.merged, layout.lora, state["params"]) if layout.lora else None
     with placed(placement.for_layout(layout)):
       # Schedule-free takes its gradient between the averaged weights the state holds and its base sequence,
       # laid out as the parameters: under ZeRO-1 the base sequence is gathered once, not in each layer loop.
-      at = jax.lax.with_sharding_constraint(schedule_free.gradient_point(state["opt_state"], state["params"]),
-                                            layout.param_shardings)
-      if layout.preference is not None:
-        batch = preference.with_reference(layout, state.get("reference"), batch)
-      (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale)
+      at = jax.lax.with_sharding_constraint(schedule_free.gradient_point(state["opt_state"], state[trained]),
+                                            layout.trained_shardings)
+      if layout.preference is not None:  # under LoRA the frozen parameters are the reference
+        batch = preference.with_reference(layout, state.get("reference", state["params"]), batch)
+      (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale, weights)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = optax.tree.norm(grads)
     lr = schedule(state["step"])
     loss_finite, grads_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
-    updates, opt_state = layout.tx.update(grads, state["opt_state"], state["params"])
+    updates, opt_state = layout.tx.update(grads, state["opt_state"], state[trained])
     loads = {stack: stats.pop(key) for stack, key in ((STACKED, LOADS), (mtp.MTP, mtp.LOADS)) if key in stats}
-    if loads:
+    if loads and not layout.lora:  # LoRA's router biases are frozen with the rest (training/validate.py)
       updates = balancing_bias_updates(updates, loads, layout.model.moe_bias_rate)
-    params = optax.apply_updates(state["params"], updates)
+    params = optax.apply_updates(state[trained], updates)
     # Nothing non-finite reaches the state: a step that would put one there is dropped and counted, and
     # the loop applies config.nonfinite to the count. Under float16 this is also the loss scaler's
     # overflow skip. Adam(W) and SGD (with momentum) are judged by scalars already at hand, so the select
@@ -178,7 +184,7 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     # past 1e19 under adam_l2's decay). Muon's iterations and schedule-free's averages have no such
     # bound: they check the whole new state, as nonfinite_check=full does for any optimizer.
     if whole_state:
-      finite = loss_finite & grads_finite & all_finite((params, opt_state))
+      finite = loss_finite & grads_finite & all_finite((params, opt_state))  # what trains, and its moments
     else:
       finite = loss_finite & grads_finite & jnp.isfinite(lr)
     # Under loss scaling, a gradient that overflows while the loss is finite is the scaler's
@@ -186,16 +192,15 @@ def make_train_step(layout: Layout, config, donate: bool = True):
     overflow = (scale is not None) & loss_finite & ~grads_finite
     # The weights are kept or dropped first: their update reads the old moments, which the moments' own
     # update overwrites in place, so with the order left open XLA would copy every moment beforehand.
-    params, finite = jax.lax.optimization_barrier((kept(finite, params, state["params"]), finite))
-    new_state = {"step": state["step"] + 1, "params": params,
+    params, finite = jax.lax.optimization_barrier((kept(finite, params, state[trained]), finite))
+    # What does not train (a preference objective's reference, LoRA's frozen parameters) passes through.
+    new_state = {**state, "step": state["step"] + 1, trained: params,
                  "opt_state": kept(finite, opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite & ~overflow).astype(jnp.int32)}
     # `loss` is the cross-entropy (or preference loss), comparable across dense and MoE runs; router figures
     # ride along.
     metrics = {**stats, "loss": reported_loss(stats, loss), "grad_norm": grad_norm, "lr": lr,
                "skipped": new_state["skipped"]}
-    if "reference" in state:
-      new_state["reference"] = state["reference"]
     if scale is not None:
       new_state["loss_scale"] = loss_scale.update(state["loss_scale"], finite, growth_interval)
       metrics["loss_scale"] = scale
@@ -206,10 +211,21 @@ def make_train_step(layout: Layout, config, donate: bool = True):
                  out_shardings=(layout.state_shardings, layout.replicated()), donate_argnums=0 if donate else ())
 
 
+def model_entries(state: dict) -> dict:
+  """The entries of a train state (or its abstract state) the model's weights are made of: the parameters, and
+  LoRA's adapters (`model_weights` merges them)."""
+  return {key: state[key] for key in ("params", lora.ADAPTERS) if key in state}
+
+
 def evaluated(state: dict) -> dict:
-  """What the eval step reads of a train state: the parameters, and the reference a preference loss compares
+  """What the eval step reads of a train state: model_entries, and the reference a preference loss compares
   them with."""
-  return {key: state[key] for key in ("params", "reference") if key in state}
+  return {**model_entries(state), **({"reference": state["reference"]} if "reference" in state else {})}
+
+
+def model_weights(layout: Layout, state: dict) -> dict:
+  """The weights the model computes with: the parameters, LoRA's adapters merged in."""
+  return lora.merged(layout.lora, state["params"], state[lora.ADAPTERS]) if layout.lora else state["params"]
 
 
 def make_eval_step(layout: Layout):
@@ -218,8 +234,8 @@ def make_eval_step(layout: Layout):
   def eval_step(weights, batch):
     with placed(placement.for_layout(layout)):
       if layout.preference is not None:
-        batch = preference.with_reference(layout, weights.get("reference"), batch)
-      return loss_fn(layout, weights["params"], batch)
+        batch = preference.with_reference(layout, weights.get("reference", weights["params"]), batch)
+      return loss_fn(layout, model_weights(layout, weights), batch)
 
   return jax.jit(eval_step, in_shardings=(evaluated(layout.state_shardings), layout.batch_sharding),
                  out_shardings=layout.replicated())

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from training import preference
+from training import lora, preference
 
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -105,6 +105,7 @@ def check_run(config) -> None:
                      "optimizer's update, which schedule-free's averaged weights do not carry; balance by "
                      "moe.balance_weight with it, or use another optimizer.")
   _check_preference(config)
+  _check_lora(config)
   if config.fault_tolerance not in FAULT_TOLERANCE:
     raise ValueError(f"fault_tolerance={config.fault_tolerance!r} is unknown; use {' or '.join(FAULT_TOLERANCE)}.")
   _at_least(config, "distributed.heartbeat_seconds", 1)
@@ -149,6 +150,24 @@ def _check_preference(config) -> None:
                              "language-model batches; use fault_tolerance=none")):
     if value:
       raise ValueError(f"objective=dpo with {field}={_get(config, field)!r}: {why}.")
+
+
+def _check_lora(config) -> None:
+  """Refuses LoRA settings the run cannot train (training/lora.py)."""
+  _at_least(config, "lora.rank", 0, " (0 trains every weight)")
+  if not config.lora.rank:
+    return
+  _finite_non_negative(config, "lora.alpha", "the adapters' product is scaled by alpha / rank; 16 is usual",
+                       zero=False)
+  lora.settings(config)  # refuses unknown targets
+  for field, value, why in (("mesh.pipeline", config.mesh.pipeline > 1, "a pipeline's stages hold the stacked "
+                             "weights the adapters merge into; use mesh.pipeline=1"),
+                            ("moe.bias_rate", config.moe.bias_rate, "the router biases are frozen with the other "
+                             "weights; set moe.bias_rate=0"),
+                            ("fault_tolerance", config.fault_tolerance == "survive", "survive mode lays out the "
+                             "parameters alone; use fault_tolerance=none")):
+    if value:
+      raise ValueError(f"lora.rank={config.lora.rank} with {field}={_get(config, field)!r}: {why}.")
 
 
 def _check_workdir(workdir: str) -> None:

@@ -1,0 +1,117 @@
+"""LoRA (training/lora.py): adapters merged as W + (alpha / rank) A B, the frozen weights untouched, and every mesh
+layout training the adapters as one device does."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import assert_tree_close, batch_at, setup, tiny_config, train_steps
+from training import lora
+from training.state import plan, trained_count
+from training.step import loss_fn, model_weights
+from training.validate import check_run
+
+ADAPTED = {"lora.rank": 4, "lora.targets": "attention,mlp"}
+# B starts at zero, so its first updates are Adam's m / sqrt(v) of gradients that differ between layouts only in
+# their summation order (1e-7 relative): normalised, those differences reach 2.5e-5 of the adapters' largest
+# entry after three steps (measured), where a weight trained from its initial value stays within 1e-5. A layout
+# that lost a reduction would be off by its factor (0.5 and more).
+ADAPTER_TOLERANCE = 1e-4
+
+
+def adapters_after_steps(overrides, devices, steps=3):
+  """(the state's frozen params and adapters after `steps` train steps, the fresh params) on the layout."""
+  config, layout, state, _ = setup({**ADAPTED, **overrides}, devices)
+  before = jax.device_get(state["params"])
+  after = jax.device_get(train_steps(config, layout, state, steps))
+  return after["params"], after[lora.ADAPTERS], before
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return adapters_after_steps({"mesh.data": 1}, jax.devices()[:1])
+
+
+def test_merged_is_the_weight_plus_the_scaled_product_of_its_factors():
+  config = tiny_config(**ADAPTED, **{"lora.alpha": 8.0, "moe.experts": 4})  # experts' kernels lead by two axes
+  layout = plan(config, jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), layout.abstract_state["params"])
+  adapters = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
+                          layout.abstract_state[lora.ADAPTERS])
+  merged = jax.device_get(lora.merged(layout.lora, params, adapters))
+  layer = params["blocks"]["layers"][0]
+  qkv, up = layer["attn"]["qkv_kernel"], layer["mlp"]["up_kernel"]  # [L, D, 3, H, K]; [L, E, D, F]
+  pair = adapters["blocks"]["layers"][0]["attn"]["qkv_kernel"]
+  np.testing.assert_allclose(merged["blocks"]["layers"][0]["attn"]["qkv_kernel"],
+                             qkv + 2.0 * np.einsum("ldr,lrthk->ldthk", pair[lora.A], pair[lora.B]), rtol=1e-5, atol=1e-5)
+  pair = adapters["blocks"]["layers"][0]["mlp"]["up_kernel"]
+  np.testing.assert_allclose(merged["blocks"]["layers"][0]["mlp"]["up_kernel"],
+                             up + 2.0 * np.einsum("ledr,lerf->ledf", pair[lora.A], pair[lora.B]), rtol=1e-5, atol=1e-5)
+  out, pair = layer["attn"]["out_kernel"], adapters["blocks"]["layers"][0]["attn"]["out_kernel"]  # [L, H, K, D]
+  np.testing.assert_allclose(merged["blocks"]["layers"][0]["attn"]["out_kernel"],
+                             out + 2.0 * np.einsum("lhkr,lrd->lhkd", pair[lora.A], pair[lora.B]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(merged["embed"]["tokens"], params["embed"]["tokens"])  # not a target
+
+
+def test_a_run_starts_at_its_base_and_trains_only_the_adapters(one_device):
+  config, layout, state, batch = setup({**ADAPTED, "mesh.data": 1}, jax.devices()[:1])
+  base = tiny_config(**{"mesh.data": 1})
+  base_layout = plan(base, jax.devices()[:1])
+  at_start = jax.jit(lambda s, b: loss_fn(layout, model_weights(layout, s), b))(state, batch)
+  plain = jax.jit(lambda p, b: loss_fn(base_layout, p, b))(state["params"], batch_at(base, base_layout, 0))
+  assert float(at_start) == float(plain)  # B starts at zero: exactly the base model
+  frozen, adapters, before = one_device
+  jax.tree.map(np.testing.assert_array_equal, frozen, before)
+  assert all(np.abs(pair[lora.B]).max() > 0 for pair in jax.tree.leaves(
+      adapters, is_leaf=lambda x: isinstance(x, dict) and lora.B in x))
+  # The optimizer's moments are the adapters' (two per element), not the model's.
+  moments = sum(x.size for x in jax.tree.leaves(layout.abstract_state["opt_state"]) if x.ndim)
+  assert moments == 2 * trained_count(layout) < sum(x.size for x in jax.tree.leaves(state["params"]))
+
+
+@pytest.mark.parametrize("overrides", [{"mesh.data": 4, "mesh.tensor": 2}, {"mesh.data": 8, "sharding.zero": 3},
+                                       {"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2,
+                                        "attention.context": "ring"}],
+                         ids=["data x tensor", "zero-3", "data x sequence x tensor"])
+def test_adapters_train_as_on_one_device(one_device, overrides):
+  _, adapters, _ = adapters_after_steps(overrides, jax.devices())
+  assert_tree_close(adapters, one_device[1], f"adapters, {overrides}", ADAPTER_TOLERANCE)
+
+
+def test_expert_adapters_train_as_on_one_device():
+  experts = {"moe.experts": 4}
+  _, expected, _ = adapters_after_steps({**experts, "mesh.data": 1}, jax.devices()[:1])
+  _, adapters, _ = adapters_after_steps({**experts, "mesh.data": 2, "mesh.expert": 4}, jax.devices())
+  assert_tree_close(adapters, expected, "expert adapters on data x expert", ADAPTER_TOLERANCE)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lora.targets": "attention,ffn"}, r"lora.targets='attention,ffn' names \['ffn'\]"),
+    ({"lora.alpha": 0.0}, r"lora.alpha=0.0 must be a finite number > 0"),
+    ({"mesh.pipeline": 2}, r"lora.rank=4 with mesh.pipeline=2"),
+    ({"moe.bias_rate": 0.01}, r"lora.rank=4 with moe.bias_rate=0.01"),
+])
+def test_bad_lora_settings_are_refused_in_one_sentence(overrides, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    check_run(tiny_config(workdir=str(tmp_path / "run"), **{**ADAPTED, **overrides}))
+
+
+def test_dpo_with_adapters_takes_the_frozen_weights_as_its_reference(tmp_path):
+  from input_pipeline import data, token_files
+  from test_preference import pair_chunks
+  from training.step import make_train_step
+  token_files.write_token_folder(tmp_path / "pairs", pair_chunks(0, 20, vocab=256), tokenizer="byte", vocab_size=256,
+                                 val_fraction=0.1, masked=True, pairs=True)
+  config, layout, state, _ = setup({**ADAPTED, "mesh.data": 2, "mesh.tensor": 2, "objective": "dpo",
+                                    "data.source": "tokens", "data.path": str(tmp_path / "pairs")}, jax.devices()[:4])
+  assert "reference" not in state
+  split = data.open_split(config.data, "train", vocab_size=256)
+  step = make_train_step(layout, config)
+  for i in range(2):
+    batch = data.global_batch(split, seed=0, step=i, batch_size=config.batch_size, seq_len=layout.model.max_len,
+                              sharding=layout.batch_sharding)
+    state, metrics = step(state, batch)
+    if i == 0:  # the adapters start at zero: the policy is its reference, every pair's loss log 2
+      np.testing.assert_allclose(float(metrics["loss"]), np.log(2), rtol=1e-6)
+  assert float(metrics["loss"]) != float(np.log(2)) and float(metrics["dpo_margin"]) != 0

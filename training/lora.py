@@ -1,0 +1,143 @@
+"""LoRA: low-rank adapters on chosen projections, the model's weights frozen (config.lora).
+
+Each targeted kernel W (a stacked layer's, an expert's: its `layers` and `expert` axes lead) gains two factors,
+A over W's input axes and B over its output axes with `rank` between them, and the model computes with
+W + (alpha / rank) A B. W's input is the `embed` axis where W starts with it (q, k, v, the MLP's up and gate), its
+output where W ends with it (the attention's output and the MLP's down projection). A and B take W's own logical
+axes, so they lie sharded as W does (tensor parallelism splits B of a column-parallel kernel by heads, A of a
+row-parallel one; ZeRO-3 splits what `embed` names). B starts at zero and A as PEFT's kaiming-uniform, so a run
+starts at exactly its base model.
+
+The train state holds the frozen weights as "params" and the factors as "adapters": gradients, the optimizer's
+moments and its update are the adapters' alone. The merged weights exist inside the step only, one matrix product
+per kernel per step (rank x its size FLOPs), negligible beside the tokens'.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+GROUPS = {"attention": ("qkv", "q", "k", "v", "out"), "mlp": ("up", "gate", "down")}
+KERNELS = tuple(name for names in GROUPS.values() for name in names)
+LEAD_AXES = ("layers", "expert")  # axes a factor keeps whole: one adapter per layer and per expert
+ADAPTERS = "adapters"
+A, B = "a_kernel", "b_kernel"  # each adapted kernel's factors (kernels by name: weight decay applies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+  """The settings of LoRA (config.lora)."""
+  rank: int
+  alpha: float
+  kernels: tuple[str, ...]
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+def settings(config) -> Lora | None:
+  """config's LoRA, or None when every weight trains; refuses unknown targets in one line."""
+  if not config.lora.rank:
+    return None
+  names = [name.strip() for name in config.lora.targets.split(",") if name.strip()]
+  unknown = [name for name in names if name not in GROUPS and name not in KERNELS]
+  if unknown or not names:
+    raise ValueError(f"lora.targets={config.lora.targets!r} names {unknown or 'nothing'}; give a comma list of "
+                     f"{', '.join(GROUPS)} or kernels ({', '.join(KERNELS)}).")
+  kernels = tuple(dict.fromkeys(k for name in names for k in GROUPS.get(name, (name,))))
+  return Lora(rank=config.lora.rank, alpha=float(config.lora.alpha), kernels=kernels)
+
+
+def _split(axes: tuple) -> tuple[int, int] | None:
+  """(leading axes, input axes after them) of a kernel's logical axes, or None when `embed` neither begins nor
+  ends what follows the leading ones."""
+  lead = 0
+  while lead < len(axes) and axes[lead] in LEAD_AXES:
+    lead += 1
+  rest = axes[lead:]
+  if rest and rest[0] == "embed":
+    return lead, 1
+  if rest and rest[-1] == "embed":
+    return lead, len(rest) - 1
+  return None
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def targeted(lora: Lora, logical: dict) -> dict:
+  """{path (a tuple of keys): (leading axes, input axes)} of the kernels `lora` adapts, from the parameters'
+  logical PartitionSpecs; refuses a setting that adapts none."""
+  found = {}
+  for path, spec in jax.tree_util.tree_leaves_with_path(logical, is_leaf=_is_spec):
+    name = str(getattr(path[-1], "key", ""))
+    if name.endswith("_kernel") and name.removesuffix("_kernel") in lora.kernels:
+      split = _split(tuple(spec))
+      if split is not None:
+        found[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)] = split
+  if not found:
+    raise ValueError(f"lora.targets names kernels ({', '.join(lora.kernels)}) this model does not have; its "
+                     "projections are among " + ", ".join(KERNELS) + ".")
+  return found
+
+
+def _nest(flat: dict) -> dict:
+  tree = {}
+  for path, value in flat.items():
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
+def _leaf(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def abstract_adapters(lora: Lora, params: dict, logical: dict) -> tuple[dict, dict]:
+  """(the adapters' ShapeDtypeStructs, their logical PartitionSpecs), each a tree {kernel's path: {A, B}}."""
+  shapes, specs = {}, {}
+  for path, (lead, inputs) in targeted(lora, logical).items():
+    kernel, axes = _leaf(params, path), tuple(_leaf(logical, path))
+    cut = lead + inputs
+    shapes[path] = {A: jax.ShapeDtypeStruct((*kernel.shape[:cut], lora.rank), kernel.dtype),
+                    B: jax.ShapeDtypeStruct((*kernel.shape[:lead], lora.rank, *kernel.shape[cut:]), kernel.dtype)}
+    specs[path] = {A: P(*axes[:cut], None), B: P(*axes[:lead], None, *axes[cut:])}
+  return _nest(shapes), _nest(specs)
+
+
+def initial(lora: Lora, params: dict, logical: dict, seed: int) -> dict:
+  """Fresh adapters: A as PEFT draws it (kaiming-uniform with a = sqrt 5: uniform within 1 / sqrt(fan-in)), B zero."""
+  abstract, _ = abstract_adapters(lora, params, logical)
+  made = {}
+  for key, (path, (lead, inputs)) in zip(jax.random.split(jax.random.key(seed), len(targeted(lora, logical))),
+                                         targeted(lora, logical).items()):
+    pair = _leaf(abstract, path)
+    bound = 1 / math.sqrt(math.prod(pair[A].shape[lead:lead + inputs]))
+    made[path] = {A: jax.random.uniform(key, pair[A].shape, pair[A].dtype, -bound, bound),
+                  B: jnp.zeros(pair[B].shape, pair[B].dtype)}
+  return _nest(made)
+
+
+def merged(lora: Lora, params: dict, adapters: dict) -> dict:
+  """`params` with each adapted kernel W replaced by W + scale x A B (computed in W's dtype)."""
+  def merge(path, w):
+    keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+    try:
+      pair = _leaf(adapters, keys)
+    except (KeyError, TypeError, IndexError):
+      return w
+    a, b = pair[A], pair[B]
+    lead = a.ndim + b.ndim - 2 - w.ndim  # A and B share the leading axes and the rank, which W lacks
+    a_LIR = a.reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), lora.rank)
+    b_LRO = b.reshape(*b.shape[:lead], lora.rank, math.prod(b.shape[lead + 1:]))
+    return w + (lora.scale * jnp.matmul(a_LIR, b_LRO).reshape(w.shape)).astype(w.dtype)
+  return jax.tree_util.tree_map_with_path(merge, params)
