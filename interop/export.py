@@ -1,5 +1,6 @@
 """A meshlm checkpoint's parameters written as a Hugging Face directory that transformers' `from_pretrained`
-loads, with the run's Hugging Face tokenizer files beside them (tools/export.py is its command line)."""
+loads, with the run's Hugging Face tokenizer files beside them; or a LoRA run's adapters as a PEFT adapter
+directory (interop/peft_adapter.py). tools/export.py is its command line."""
 
 from pathlib import Path
 
@@ -8,15 +9,17 @@ import jax
 from configs.load import restored
 from input_pipeline.token_files import read_meta
 from input_pipeline.tokenizer import HF_SCHEME, HfTokenizer, load_tokenizer, run_tokenizer_name
-from interop import hf_checkpoint
+from interop import hf_checkpoint, peft_adapter
 from parallel.mesh import AXES
+from training import lora
 from training.checkpoint import Checkpoints
 from training.state import param_count, plan
 from training.step import model_entries, model_weights
 
 
-def export(workdir: str, output: str, step: int | None = None, dtype: str = "float32") -> str:
-  """Export `step` (default: the newest) of `workdir`'s checkpoints to `output`; returns what was written."""
+def export(workdir: str, output: str, step: int | None = None, dtype: str = "float32", adapter: bool = False) -> str:
+  """Export `step` (default: the newest) of `workdir`'s checkpoints to `output`, or with `adapter` its LoRA
+  adapters as a PEFT adapter directory; returns what was written."""
   hf_checkpoint.check_new_directory(output)
   checkpoints = Checkpoints(workdir, every=0, keep=None)
   try:
@@ -33,9 +36,22 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str = "flo
     # The weights the model computes with: LoRA's adapters merged into the frozen parameters.
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             layout.abstract_state, layout.state_shardings)
-    params = jax.device_get(model_weights(layout, checkpoints.restore_weights(step, model_entries(abstract))))
+    if adapter and not layout.lora:
+      raise ValueError(f"step {step} of {workdir} holds no LoRA adapters (lora.rank=0); export its weights "
+                       "without --adapter.")
+    entries = jax.device_get(checkpoints.restore_weights(step, model_entries(abstract)))
   finally:
     checkpoints.close()
+  if adapter:
+    tensors = peft_adapter.adapter_tensors(layout.model, layout.lora, entries["params"], entries[lora.ADAPTERS])
+    base = config.init_from.removeprefix(HF_SCHEME) or None
+    target = hf_checkpoint.write_directory(hf_checkpoint.check_new_directory(output), tensors,
+                                           {"adapter_config.json": peft_adapter.config(layout.model, layout.lora,
+                                                                                       tensors, base)},
+                                           weights=peft_adapter.ADAPTER_WEIGHTS)
+    return (f"exported the rank-{layout.lora.rank} adapters of step {step} of {workdir} "
+            f"({len(tensors) // 2} modules) to {target}")
+  params = jax.device_get(model_weights(layout, entries))
   folder = tokenizer_folder(config)
   beside = tuple(path for path in (folder / name for name in HfTokenizer.FILES) if path.is_file()) if folder else ()
   target = hf_checkpoint.write(output, layout.model, params, beside, dtype)

@@ -211,12 +211,12 @@ def _tensor_files(directory: Path) -> dict:
 def _expected_shapes(cfg: ModelConfig, tied: bool) -> dict:
   shapes = {}
   for path, tensor in hf_mapping.tensors(cfg, tied).items():
-    for index in _indices(cfg, tensor, path):
+    for index in indices(cfg, tensor, path):
       shapes[tensor.hf_name(**index)] = tensor.hf_shape
   return shapes
 
 
-def _indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, path: tuple) -> list[dict]:
+def indices(cfg: ModelConfig, tensor: hf_mapping.Tensor, path: tuple) -> list[dict]:
   """The {layer, expert} of each Hugging Face tensor the meshlm weight at `path` is made of, in its leading axes'
   order: a stack's units (the scanned one's, moe.first_dense's dense layers, the prediction modules)."""
   stack = {STACKED: cfg.num_units, DENSE_STACKED: cfg.moe_first_dense, MTP: cfg.mtp_depth}.get(path[0])
@@ -312,23 +312,36 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
     leaf = params
     for key in path:
       leaf = leaf[key]
-    for index in _indices(cfg, tensor, path):
-      array = leaf
-      for i in (i for i in index.values() if i is not None):
-        array = array[i]
-      hf.setdefault(tensor.hf_name(**index),
-                    _to_hf(tensor, np.asarray(array, np.float32)).astype(EXPORT_DTYPES[dtype]))
-  needed = sum(array.nbytes for array in hf.values()) + sum(path.stat().st_size for path in beside)
+    for name, array in hf_pieces(cfg, tensor, path, leaf):
+      hf.setdefault(name, array.astype(EXPORT_DTYPES[dtype]))
+  return write_directory(target, hf, {"config.json": hf_mapping.hf_config(cfg, tied, dtype)}, beside)
+
+
+def hf_pieces(cfg: ModelConfig, tensor: hf_mapping.Tensor, path: tuple, leaf):
+  """(name, float32 array as Hugging Face lays it out) of each tensor the meshlm weight `leaf` at `path` makes."""
+  for index in indices(cfg, tensor, path):
+    array = leaf
+    for i in (i for i in index.values() if i is not None):
+      array = array[i]
+    yield tensor.hf_name(**index), to_hf(tensor, np.asarray(array, np.float32))
+
+
+def write_directory(target: Path, tensors: dict, configs: dict, beside: tuple[Path, ...] = (),
+                    weights: str = WEIGHTS) -> Path:
+  """`tensors` as the safetensors file `weights`, each of `configs` ({file name: a JSON object}) and copies of
+  the files `beside`, written into `target` (check_new_directory's) all at once or not at all."""
+  needed = sum(array.nbytes for array in tensors.values()) + sum(path.stat().st_size for path in beside)
   made = [p for p in target.parents if not p.exists()]  # folders made for the export, innermost first
   try:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-      save_file(hf, str(partial / WEIGHTS), metadata={"format": "pt"})  # transformers wants the format
-      (partial / "config.json").write_text(json.dumps(hf_mapping.hf_config(cfg, tied, dtype), indent=2) + "\n")
+      save_file(tensors, str(partial / weights), metadata={"format": "pt"})  # transformers wants the format
+      for name, config in configs.items():
+        (partial / name).write_text(json.dumps(config, indent=2) + "\n")
       for path in beside:
         shutil.copyfile(path, partial / path.name)
-      os.chmod(partial / WEIGHTS, 0o644)  # save_file creates it private, mkdtemp its directory
+      os.chmod(partial / weights, 0o644)  # save_file creates it private, mkdtemp its directory
       os.chmod(partial, 0o755)
       partial.rename(target)  # over an empty directory too, so a reader never sees half a checkpoint
     finally:
@@ -348,7 +361,7 @@ def write(directory: str, cfg: ModelConfig, params: dict, beside: tuple[Path, ..
   return target
 
 
-def _to_hf(tensor: hf_mapping.Tensor, array: np.ndarray) -> np.ndarray:
+def to_hf(tensor: hf_mapping.Tensor, array: np.ndarray) -> np.ndarray:
   """One layer's meshlm array as the HF tensor: drop vocabulary padding, undo the transpose and the split."""
   if tensor.padded_axis is not None:
     real = [size for sizes in tensor.split for size in sizes][tensor.perm[tensor.padded_axis]]

@@ -20,6 +20,8 @@ transformers take seconds to import, so the tests batch their questions):
       TRL's DPOTrainer (trl 1.16; CPOTrainer's loss for "simpo") on D against the model in R: the loss,
       the mean chosen and rejected rewards, the mean margin and accuracy, and the loss's gradient of each weight;
       with W > 0, TRL's "sft" loss added at weight W
+  {"peft": D, "adapter": A, "tokens": T.npy, "out": O.npy}
+      float32 logits of D with the PEFT adapter directory A loaded onto it (PeftModel.from_pretrained)
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
                                                          and rotary settings),
                                                          and D2's dropout rates
@@ -235,7 +237,15 @@ def dpo(job):
            **{f"grad:{name}": weight.grad.numpy() for name, weight in model.named_parameters()})
 
 
-JOBS = {"make": make, "dpo": dpo, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
+def peft_logits(job):
+  from peft import PeftModel
+  tokens = torch.from_numpy(np.load(job["tokens"])).long()
+  model = PeftModel.from_pretrained(load(job["peft"]), job["adapter"]).eval()
+  with torch.no_grad():
+    np.save(job["out"], model(input_ids=tokens).logits.numpy())
+
+
+JOBS = {"make": make, "dpo": dpo, "peft": peft_logits, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
         "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":

@@ -115,3 +115,44 @@ def test_dpo_with_adapters_takes_the_frozen_weights_as_its_reference(tmp_path):
     if i == 0:  # the adapters start at zero: the policy is its reference, every pair's loss log 2
       np.testing.assert_allclose(float(metrics["loss"]), np.log(2), rtol=1e-6)
   assert float(metrics["loss"]) != float(np.log(2)) and float(metrics["dpo_margin"]) != 0
+
+
+# Two of tests/test_hf_checkpoint.py's shapes: GPT-2's fused q/k/v (Conv1D, stored (in, out)) and Llama's
+# grouped-query projections and SwiGLU (nn.Linear, stored (out, in)).
+PEFT_MODELS = {"gpt2": dict(vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128),
+               "llama": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)}
+
+
+@pytest.mark.parametrize("family", PEFT_MODELS)
+def test_an_adapter_exported_for_peft_gives_meshlm_logits(family, tmp_path):
+  from helpers import run_reference
+  from interop.export import export
+  from run.loop import train
+  from training.sample import from_checkpoint
+  base = tmp_path / "base"
+  run_reference([{"make": family, "dir": str(base), "config": PEFT_MODELS[family], "seed": 0, "save": {}}], tmp_path)
+  overrides = {**ADAPTED, "init_from": f"hf:{base}", "workdir": str(tmp_path / "run"), "steps": 4,
+               "optimizer.lr": 0.02, "eval_every": 0, "sample_tokens": 0, "model.max_len": 32}
+  train(tiny_config(**overrides))
+  print(export(str(tmp_path / "run"), str(tmp_path / "adapter"), adapter=True))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
+  np.save(tmp_path / "tokens.npy", tokens)
+  run_reference([{"peft": str(base), "adapter": str(tmp_path / "adapter"), "tokens": str(tmp_path / "tokens.npy"),
+                  "out": str(tmp_path / "peft.npy")},
+                 {"logits": str(base), "tokens": str(tmp_path / "tokens.npy"), "out": str(tmp_path / "base.npy")}],
+                tmp_path)
+  _, layout, params, _, _ = from_checkpoint(str(tmp_path / "run"))
+  ours = np.asarray(jax.jit(lambda p, t: nnx_predict(layout, p, t))(params, tokens))[..., :300]
+  theirs, plain = np.load(tmp_path / "peft.npy"), np.load(tmp_path / "base.npy")
+  scale = np.abs(theirs).max()
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
+  assert np.abs(theirs - plain).max() > 100 * 1e-5 * scale  # the adapters moved the logits: the check has teeth
+
+
+def nnx_predict(layout, params, tokens):
+  from flax import nnx
+  from model.placement import placed
+  from parallel import placement
+  with placed(placement.for_layout(layout)):
+    return nnx.merge(layout.graphdef, params).predict(tokens)
