@@ -137,7 +137,10 @@ def merged(lora: Lora, params: dict, adapters: dict) -> dict:
       return w
     a, b = pair[A], pair[B]
     lead = a.ndim + b.ndim - 2 - w.ndim  # A and B share the leading axes and the rank, which W lacks
-    a_LIR = a.reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), lora.rank)
-    b_LRO = b.reshape(*b.shape[:lead], lora.rank, math.prod(b.shape[lead + 1:]))
-    return w + (lora.scale * jnp.matmul(a_LIR, b_LRO).reshape(w.shape)).astype(w.dtype)
+    # One letter per axis, none reshaped: a split axis (heads over `tensor`) keeps its sharding through the product.
+    names = iter("abcdefghijklmnopqstuvwxyz")
+    leading, inputs, outputs = ("".join(next(names) for _ in range(n))
+                                for n in (lead, a.ndim - 1 - lead, b.ndim - 1 - lead))
+    product = jnp.einsum(f"{leading}{inputs}r,{leading}r{outputs}->{leading}{inputs}{outputs}", a, b)
+    return w + (lora.scale * product).astype(w.dtype)
   return jax.tree_util.tree_map_with_path(merge, params)
