@@ -7,9 +7,9 @@ schedule's, the context strategy's, expert dispatch's, the optimizer's). Keys ar
 import collections
 import math
 
-from measure.sizes import (blocks_run, compute_bytes, dims, expert_slots, head_weights, is_matrix, layer_passes,
-                           optimizer_costs, optimizer_of, routed_blocks, routed_layers, run_of, stage_elements,
-                           stage_layers, stage_units, stored_table)
+from measure.sizes import (adapted, adapter_weights, blocks_run, compute_bytes, dims, expert_slots, head_weights,
+                           is_matrix, layer_passes, optimizer_costs, optimizer_of, routed_blocks, routed_layers,
+                           run_of, stage_elements, stage_layers, stage_units, stored_table, trained_weights)
 from model.mtp import MTP
 from parallel import context, experts, rules, schedules
 from parallel.costs import (F32_BYTES, MASTER_BYTES, Weight, all_reduce, axes_key, gather, shard_elements,
@@ -28,7 +28,8 @@ def collectives(run, mesh: dict, weights: list[Weight]) -> dict[tuple[str, str],
 
 def collectives_by_source(run, mesh: dict, weights: list[Weight]) -> dict[str, dict[tuple[str, str], int]]:
   """collectives' bytes by what sends them: "gradients" (data parallelism and ZeRO), "tensor",
-  "pipeline", "stages" (unequal stages' gathers), "context" (the `sequence` axis), "experts" and "optimizer";
+  "pipeline", "stages" (unequal stages' gathers), "context" (the `sequence` axis), "experts", "optimizer" and
+  "adapters" (LoRA's factors);
   a step-time model overlaps each its own way."""
   run = run_of(run)
   out = {}
@@ -38,7 +39,8 @@ def collectives_by_source(run, mesh: dict, weights: list[Weight]) -> dict[str, d
                         ("stages", lambda t: _stage_view(run, mesh, weights, t)),
                         ("context", lambda t: _context(run, mesh, t)),
                         ("experts", lambda t: _experts(run, mesh, t)),
-                        ("optimizer", lambda t: _optimizer(run, mesh, weights, t))):
+                        ("optimizer", lambda t: _optimizer(run, mesh, weights, t)),
+                        ("adapters", lambda t: _adapters(run, mesh, weights, t))):
     traffic = collections.Counter()
     count(traffic)
     out[source] = {key: value for key, value in traffic.items() if value}
@@ -89,13 +91,15 @@ def _gradients(run, mesh, weights, traffic):
     replicas = ((token_axes - split - ({axis} if scatter else set()))
                 | ({PIPELINE} if pipelined and PIPELINE not in split else set()))
     grad = used
-    if scatter:
+    # Under LoRA only the adapted weights have a gradient: their merged update's, reduced as a weight's would be.
+    reduced = not run.lora or adapted(run, w)
+    if scatter and reduced:
       traffic[("reduce-scatter", axis)] += accum * uses * gather(used, mesh[axis])
       grad //= mesh[axis]
-    if replicas:
+    if replicas and reduced:
       group = math.prod(mesh[a] for a in replicas)
       traffic[("all-reduce", axes_key(replicas))] += accum * uses * all_reduce(grad, group)
-    if scatter and zero == 1:
+    if scatter and zero == 1 and not run.lora:
       # The updated weights, and what else the optimizer gathers beside them (training/optimizer.py).
       gathers = optimizer_of(run).gathered
       traffic[("all-gather", axis)] += gathers * gather(used, mesh[axis])
@@ -108,9 +112,25 @@ def _gradients(run, mesh, weights, traffic):
       traffic[("all-gather", axis)] += passes * gather(gathered, mesh[axis])
 
 
+def _adapters(run, mesh, weights, traffic):
+  """LoRA's factors (training/lora.py): their gradients are products of the adapted weight's, which arrives summed
+  over the token axes; under ZeRO, where that gradient lies scattered over `data` by `embed`, the factor without
+  `embed` contracts it over the scattered axis and sums its own there. ZeRO-1 gathers the updated factors."""
+  zero, axis = run.sharding.zero, rules.fsdp_axis(run.sharding)
+  if not zero or mesh[axis] == 1:
+    return
+  for w in adapter_weights(run, weights):
+    table = lambda rule_set: stored_table(run, mesh, w, rule_set)
+    used = shard_elements(w, mesh, table(rules.weight_rules(0))) * MASTER_BYTES
+    if "embed" not in w.axes:
+      traffic[("all-reduce", axis)] += run.grad_accum * all_reduce(used, mesh[axis])
+    if zero == 1 and axis in sharded_over(w, mesh, table(rules.optimizer_rules(zero, axis))):
+      traffic[("all-gather", axis)] += optimizer_of(run).gathered * gather(used, mesh[axis])
+
+
 def _optimizer(run, mesh, weights, traffic):
   """What the update itself sends, as the optimizer's entry states it (training/optimizer.py): Muon's gathers."""
-  traffic.update(optimizer_of(run).sent(*optimizer_costs(run, mesh, weights)))
+  traffic.update(optimizer_of(run).sent(*optimizer_costs(run, mesh, trained_weights(run, weights))))
 
 
 def _gathered_bytes(run, w: Weight, weights: list[Weight]) -> int:

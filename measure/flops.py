@@ -5,7 +5,7 @@ cost); and the textbook's ideal, 6N per token plus attention."""
 import math
 
 from measure.sizes import (blocks_run, dims, expert_slots, head_weights, is_matrix, layer_passes, optimizer_costs,
-                           optimizer_of, routed_blocks, run_of, stage_elements)
+                           optimizer_of, routed_blocks, run_of, stage_elements, trained_weights)
 from parallel import context, rules, schedules
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE
@@ -119,4 +119,4 @@ def ideal_flops(run, mesh: dict, weights: list[Weight]) -> int:
 def optimizer_flops(run, mesh, weights) -> int:
   """The update's matmul FLOPs per device per step (Muon's Newton-Schulz iterations)."""
   run = run_of(run)
-  return optimizer_of(run).flops(*optimizer_costs(run, mesh, weights))
+  return optimizer_of(run).flops(*optimizer_costs(run, mesh, trained_weights(run, weights)))

@@ -4,7 +4,7 @@ the backward pass (measure/activations.py); each sized by the rules table (paral
 with. Nothing is compiled or allocated."""
 
 from measure.activations import activations
-from measure.sizes import dims, run_of, stored_table
+from measure.sizes import adapted, dims, run_of, stored_table, trained_weights
 from parallel import rules
 from parallel.costs import INT32_BYTES, MASTER_BYTES, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT
@@ -26,12 +26,16 @@ def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   too, measure/step_time.py)."""
   run = run_of(run)
   zero, axis = run.sharding.zero, rules.fsdp_axis(run.sharding)
-  params = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.weight_rules(zero, axis)))
-               for w in weights) * MASTER_BYTES
+  stored = lambda ws: sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.weight_rules(zero, axis)))
+                          for w in ws) * MASTER_BYTES
+  trained = trained_weights(run, weights)
   moments = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.optimizer_rules(zero, axis))) * per_element
-                for w, per_element in zip(weights, optimizer_state_bytes(run, weights)))
+                for w, per_element in zip(trained, optimizer_state_bytes(run, trained)))
+  # Under LoRA the gradients are the adapted weights' (their merged update's backward) and the adapters'.
+  params = stored(weights) + (stored(trained) if run.lora else 0)
+  grads = stored([w for w in weights if adapted(run, w)] + trained) if run.lora else params
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
-  held = {"params": params, "grads": params * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
+  held = {"params": params, "grads": grads * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
   return {**held, "reference": params} if run.reference else held
 
 

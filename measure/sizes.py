@@ -14,7 +14,8 @@ from model.transformer import chunk_count, chunk_positions
 from parallel import context, rules, schedules, stages as stage_split
 from parallel.costs import Dims, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
-from training import optimizer, preference
+from training import lora, optimizer, preference
+from training.lora import Lora
 from training.state import model_config
 
 
@@ -55,6 +56,7 @@ class Run:
   # forward once per step on the whole batch
   reference: bool = False
   objective: str = "lm"
+  lora: Lora | None = None  # LoRA's adapters train, the weights stay frozen (training/lora.py)
 
 
 def run_of(config) -> Run:
@@ -69,7 +71,7 @@ def run_of(config) -> Run:
                                p.last_stage_layers),
              sharding=Sharding(config.sharding.zero, config.sharding.fsdp_group), optimizer=config.optimizer,
              moments=config.precision.moments, reference=bool(settings and settings.uses_reference),
-             objective=config.objective)
+             objective=config.objective, lora=lora.settings(config))
 
 
 def replaced(run: Run, flags: dict) -> Run:
@@ -178,6 +180,34 @@ def routed_blocks(run, mesh: dict) -> int:
   run = run_of(run)
   m = run.model
   return routed_layers(m, stage_layers(run, mesh)) + (m.mtp_depth if m.num_experts else 0)
+
+
+def adapted(run, w: Weight) -> bool:
+  """Whether LoRA adapts weight `w` (a kernel it targets, training/lora.py)."""
+  name = str(w.path[-1]) if w.path else ""
+  return bool(run.lora) and name.endswith("_kernel") and name.removesuffix("_kernel") in run.lora.kernels and (
+      lora.split_axes(w.axes) is not None)
+
+
+def adapter_weights(run, weights: list[Weight]) -> list[Weight]:
+  """LoRA's factors A and B of each adapted weight, as training/lora.py lays them out; none without LoRA."""
+  run = run_of(run)
+  out = []
+  for w in weights:
+    if not adapted(run, w):
+      continue
+    lead, inputs = lora.split_axes(w.axes)
+    cut, r = lead + inputs, run.lora.rank
+    out += [Weight((*w.shape[:cut], r), (*w.axes[:cut], None), None, (*w.path, lora.A)),
+            Weight((*w.shape[:lead], r, *w.shape[cut:]), (*w.axes[:lead], None, *w.axes[cut:]), None,
+                   (*w.path, lora.B))]
+  return out
+
+
+def trained_weights(run, weights: list[Weight]) -> list[Weight]:
+  """What the optimizer updates: the weights, or under LoRA their adapters."""
+  run = run_of(run)
+  return adapter_weights(run, weights) if run.lora else weights
 
 
 def stored_table(run, mesh: dict, w: Weight, table) -> tuple:

@@ -64,6 +64,10 @@ LAYOUTS = {
     # the other layouts run.
     "dpo, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "objective": "dpo", "batch_size": 8},
     "dpo, fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "objective": "dpo", "batch_size": 8},
+    # LoRA (training/lora.py): the adapted kernels' gradients reduced as a weight's, the others' none; under ZeRO the
+    # factor without `embed` sums its own over `data`; moments for the factors alone.
+    "lora, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "lora.rank": 4, "lora.targets": "attention,mlp"},
+    "lora, fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "lora.rank": 4, "lora.targets": "attention,mlp"},
     "muon fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "optimizer.name": "muon"},
     "muon gathered, data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4, "optimizer.name": "muon",
                                          "optimizer.muon_iteration": "gathered"},
@@ -129,6 +133,7 @@ EXTRA_KEYS = {"moe data=2 x expert=4": {("all-reduce", "expert")},
               # As fsdp data=8 (BY_HAND): the lookup's pair of all-to-alls.
               "multi-token prediction, fsdp data=8": {("all-to-all", "data")},
               "dpo, fsdp data=8": {("all-to-all", "data")},
+              "lora, fsdp data=8": {("all-to-all", "data")},
               # As under gpipe (BY_HAND): the gradient norm's per-leaf partial sums over the stages.
               "data=4 x pipeline=2, 1f1b": {("all-reduce", "pipeline")},
               "data=4 x pipeline=2, 1 + 2 layers": {("all-reduce", "pipeline")}}

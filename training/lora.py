@@ -52,7 +52,7 @@ def settings(config) -> Lora | None:
   return Lora(rank=config.lora.rank, alpha=float(config.lora.alpha), kernels=kernels)
 
 
-def _split(axes: tuple) -> tuple[int, int] | None:
+def split_axes(axes: tuple) -> tuple[int, int] | None:
   """(leading axes, input axes after them) of a kernel's logical axes, or None when `embed` neither begins nor
   ends what follows the leading ones."""
   lead = 0
@@ -77,7 +77,7 @@ def targeted(lora: Lora, logical: dict) -> dict:
   for path, spec in jax.tree_util.tree_leaves_with_path(logical, is_leaf=_is_spec):
     name = str(getattr(path[-1], "key", ""))
     if name.endswith("_kernel") and name.removesuffix("_kernel") in lora.kernels:
-      split = _split(tuple(spec))
+      split = split_axes(tuple(spec))
       if split is not None:
         found[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)] = split
   if not found:
