@@ -66,20 +66,21 @@ def split_axes(axes: tuple) -> tuple[int, int] | None:
   return None
 
 
-def _is_spec(x) -> bool:
-  return isinstance(x, P)
+def _keys(path) -> tuple:
+  """A tree path's keys: dict keys, and the layer numbers of a stack of several layer kinds."""
+  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
 
 
 def targeted(lora: Lora, logical: dict) -> dict:
   """{path (a tuple of keys): (leading axes, input axes)} of the kernels `lora` adapts, from the parameters'
   logical PartitionSpecs; refuses a setting that adapts none."""
   found = {}
-  for path, spec in jax.tree_util.tree_leaves_with_path(logical, is_leaf=_is_spec):
+  for path, spec in jax.tree_util.tree_leaves_with_path(logical, is_leaf=lambda x: isinstance(x, P)):
     name = str(getattr(path[-1], "key", ""))
     if name.endswith("_kernel") and name.removesuffix("_kernel") in lora.kernels:
       split = split_axes(tuple(spec))
       if split is not None:
-        found[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)] = split
+        found[_keys(path)] = split
   if not found:
     raise ValueError(f"lora.targets names kernels ({', '.join(lora.kernels)}) this model does not have; its "
                      "projections are among " + ", ".join(KERNELS) + ".")
@@ -117,9 +118,9 @@ def abstract_adapters(lora: Lora, params: dict, logical: dict) -> tuple[dict, di
 def initial(lora: Lora, params: dict, logical: dict, seed: int) -> dict:
   """Fresh adapters: A as PEFT draws it (kaiming-uniform with a = sqrt 5: uniform within 1 / sqrt(fan-in)), B zero."""
   abstract, _ = abstract_adapters(lora, params, logical)
+  kernels = targeted(lora, logical)
   made = {}
-  for key, (path, (lead, inputs)) in zip(jax.random.split(jax.random.key(seed), len(targeted(lora, logical))),
-                                         targeted(lora, logical).items()):
+  for key, (path, (lead, inputs)) in zip(jax.random.split(jax.random.key(seed), len(kernels)), kernels.items()):
     pair = _leaf(abstract, path)
     bound = 1 / math.sqrt(math.prod(pair[A].shape[lead:lead + inputs]))
     made[path] = {A: jax.random.uniform(key, pair[A].shape, pair[A].dtype, -bound, bound),
@@ -128,12 +129,11 @@ def initial(lora: Lora, params: dict, logical: dict, seed: int) -> dict:
 
 
 def merged(lora: Lora, params: dict, adapters: dict) -> dict:
-  """`params` with each adapted kernel W replaced by W + scale x A B (computed in W's dtype)."""
+  """`params` with each adapted kernel W replaced by W + scale x A B (added in W's dtype)."""
   def merge(path, w):
-    keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
     try:
-      pair = _leaf(adapters, keys)
-    except (KeyError, TypeError, IndexError):
+      pair = _leaf(adapters, _keys(path))
+    except KeyError:  # a weight LoRA leaves alone
       return w
     a, b = pair[A], pair[B]
     lead = a.ndim + b.ndim - 2 - w.ndim  # A and B share the leading axes and the rank, which W lacks
