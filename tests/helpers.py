@@ -286,3 +286,12 @@ def byte_level_bpe(texts: list, vocab_size: int):
   bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   return bpe
+
+
+def pair_chunks(seed: int, count: int, vocab: int):
+  """Random preference pairs as write_token_folder takes them: a shared prompt of 2..8 ids, answers of 1..9."""
+  rng = np.random.default_rng(seed)
+  for _ in range(count):
+    prompt = rng.integers(1, vocab, rng.integers(2, 9))
+    yield tuple((np.concatenate([prompt, answer]), np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]))
+                for answer in (rng.integers(1, vocab, rng.integers(1, 10)) for _ in range(2)))

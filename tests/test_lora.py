@@ -4,11 +4,18 @@ layout training the adapters as one device does."""
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from helpers import assert_tree_close, batch_at, setup, tiny_config, train_steps
+from helpers import assert_tree_close, batch_at, pair_chunks, run_reference, setup, tiny_config, train_steps
+from input_pipeline import data, token_files
+from interop.export import export
+from model.placement import placed
+from parallel import placement
+from run.loop import train
 from training import lora
+from training.sample import from_checkpoint
 from training.state import plan, trained_count
-from training.step import loss_fn, model_weights
+from training.step import loss_fn, make_train_step, model_weights
 from training.validate import check_run
 
 ADAPTED = {"lora.rank": 4, "lora.targets": "attention,mlp"}
@@ -98,9 +105,6 @@ def test_bad_lora_settings_are_refused_in_one_sentence(overrides, message, tmp_p
 
 
 def test_dpo_with_adapters_takes_the_frozen_weights_as_its_reference(tmp_path):
-  from input_pipeline import data, token_files
-  from test_preference import pair_chunks
-  from training.step import make_train_step
   token_files.write_token_folder(tmp_path / "pairs", pair_chunks(0, 20, vocab=256), tokenizer="byte", vocab_size=256,
                                  val_fraction=0.1, masked=True, pairs=True)
   config, layout, state, _ = setup({**ADAPTED, "mesh.data": 2, "mesh.tensor": 2, "objective": "dpo",
@@ -126,10 +130,6 @@ PEFT_MODELS = {"gpt2": dict(vocab_size=300, n_positions=32, n_embd=64, n_layer=2
 
 @pytest.mark.parametrize("family", PEFT_MODELS)
 def test_an_adapter_exported_for_peft_gives_meshlm_logits(family, tmp_path):
-  from helpers import run_reference
-  from interop.export import export
-  from run.loop import train
-  from training.sample import from_checkpoint
   base = tmp_path / "base"
   run_reference([{"make": family, "dir": str(base), "config": PEFT_MODELS[family], "seed": 0, "save": {}}], tmp_path)
   overrides = {**ADAPTED, "init_from": f"hf:{base}", "workdir": str(tmp_path / "run"), "steps": 4,
@@ -151,8 +151,5 @@ def test_an_adapter_exported_for_peft_gives_meshlm_logits(family, tmp_path):
 
 
 def nnx_predict(layout, params, tokens):
-  from flax import nnx
-  from model.placement import placed
-  from parallel import placement
   with placed(placement.for_layout(layout)):
     return nnx.merge(layout.graphdef, params).predict(tokens)

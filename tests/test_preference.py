@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs.load import set_fields
-from helpers import ROOT, data_config, read_metrics, run_reference, tiny_config
+from helpers import ROOT, data_config, pair_chunks, read_metrics, run_reference, tiny_config
 from input_pipeline import data, token_files
 from interop import hf_checkpoint
 from model.placement import placed
@@ -35,15 +35,6 @@ LOSSES = {"sigmoid": {"dpo.beta": 0.5}, "robust": {"dpo.beta": 0.5, "dpo.label_s
           # DPO with the chosen answers' log-likelihood beside it (TRL's loss_type=["sigmoid", "sft"])
           "sigmoid+sft": {"dpo.beta": 0.5, "dpo.sft_weight": 0.7}}
 FOUR = {"mesh.data": 2, "mesh.tensor": 2}
-
-
-def pair_chunks(seed: int, count: int, vocab: int = VOCAB):
-  """Random preference pairs as write_token_folder takes them: a shared prompt of 2..8 ids, answers of 1..9."""
-  rng = np.random.default_rng(seed)
-  for _ in range(count):
-    prompt = rng.integers(1, vocab, rng.integers(2, 9))
-    yield tuple((np.concatenate([prompt, answer]), np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]))
-                for answer in (rng.integers(1, vocab, rng.integers(1, 10)) for _ in range(2)))
 
 
 def trl_examples(rows: dict) -> list:
@@ -64,7 +55,7 @@ def trl_examples(rows: dict) -> list:
 def trl(tmp_path_factory):
   """A folder with the policy, the reference, the pairs and TRL's figures for each loss (trl_<loss>.npz)."""
   where = tmp_path_factory.mktemp("preference")
-  token_files.write_token_folder(where / "pairs", pair_chunks(0, 40), tokenizer="test", vocab_size=VOCAB,
+  token_files.write_token_folder(where / "pairs", pair_chunks(0, 40, vocab=VOCAB), tokenizer="test", vocab_size=VOCAB,
                                  val_fraction=0.1, masked=True, pairs=True)
   split = data.open_split(data_config(path=where / "pairs"), "train", vocab_size=VOCAB)
   examples = trl_examples(data.pair_rows(split, seed=0, step=0, batch_size=BATCH, seq_len=GPT2["n_positions"]))
