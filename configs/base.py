@@ -225,7 +225,8 @@ def base() -> ml_collections.ConfigDict:
   c.schedule.decay_steps = 0  # wsd: the final decay's steps
 
   # lm: next-token cross-entropy (on completions' tokens where the data masks them) | dpo: preference pairs
-  # (tools/prepare.py --chosen_field/--rejected_field), the policy against the weights it started from
+  # (tools/prepare.py --chosen_field/--rejected_field), the policy against the weights it started from | grpo:
+  # completions the policy samples for prompts, scored by a reward
   c.objective = "lm"
   c.dpo = ml_collections.ConfigDict()
   c.dpo.loss = "sigmoid"  # sigmoid (DPO) | robust (label_smoothing) | ipo | simpo (no reference)
@@ -233,6 +234,21 @@ def base() -> ml_collections.ConfigDict:
   c.dpo.label_smoothing = 0.0  # robust: the assumed rate of flipped preferences, in [0, 0.5)
   c.dpo.gamma = 0.5  # simpo: the reward margin the chosen answer must clear
   c.dpo.sft_weight = 0.0  # > 0: plus this times the chosen answers' mean negative log-likelihood per token (RPO)
+  c.grpo = ml_collections.ConfigDict()  # training/grpo.py, training/rollouts.py
+  c.grpo.prompts = ""  # a JSON-lines file of records with a prompt and the answer a reward checks
+  c.grpo.eval_prompts = ""  # another such file: eval_every scores greedy answers to its prompts (eval reward)
+  c.grpo.prompt_field = "prompt"
+  c.grpo.answer_field = "answer"
+  c.grpo.group = 4  # completions sampled per prompt; batch_size / group prompts a step
+  c.grpo.max_new_tokens = 8  # each completion's length at most, its stop token included
+  c.grpo.temperature = 1.0
+  c.grpo.top_k = 0  # 0 keeps the whole vocabulary
+  c.grpo.top_p = 1.0
+  c.grpo.stop = "\n"  # a comma list of texts of one token each that end a completion, beside end-of-text
+  c.grpo.reward = "exact_match"  # a comma list, summed: exact_match | format:REGEX | module:function
+  c.grpo.scale_rewards = "group"  # group | batch | none: what the advantages are divided by the deviation of
+  c.grpo.loss = "dapo"  # dapo (over the batch's tokens) | grpo (per completion, then mean) | dr_grpo (a constant)
+  c.grpo.beta = 0.0  # > 0: plus beta x the k3 estimate of the KL divergence from the weights the run started from
 
   # LoRA (training/lora.py): rank > 0 trains low-rank adapters on the targeted projections, every weight frozen
   c.lora = ml_collections.ConfigDict()

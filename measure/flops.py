@@ -87,7 +87,7 @@ def flops(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   head_tokens = run.batch_size // (mesh[DATA] * mesh[EXPERT]) * d.length // mesh[PIPELINE]
   head_elements = sum(shard_elements(w, mesh, rules.weight_rules(0)) for w in head_weights(run, weights))
   # Each multi-token prediction module scores every position through the head too.
-  # A preference objective's head runs a chunk at a time, recomputed in the backward pass (sequence_log_probs).
+  # A preference objective's head runs a chunk at a time, recomputed in the backward pass (token_log_probs).
   head_passes = 3 if run.objective == "lm" else 4
   head = (1 + run.model.mtp_depth) * head_passes * 2 * head_tokens * head_elements
   out = {"layers": runs * 3 * forward, "head": head, "recompute": runs * recompute,

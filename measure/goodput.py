@@ -22,6 +22,7 @@ CAUSES = {
     "compile": "compiling the steps before the first",
     "checkpoint_restore": "reading the checkpoint resumed from",
     "data_wait": "waiting for batches",
+    "generation": "sampling the rollouts a step trains on (objective=grpo)",
     "evaluation": "evaluating",
     "checkpoint_save": "saving checkpoints (the blocking part)",
     "failure_detect": "a lost process: until every live process knew",

@@ -16,7 +16,8 @@ def memory(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   run = run_of(run)
   d = dims(run, mesh)
   local_batch = run.batch_size // (mesh[DATA] * mesh[EXPERT])
-  arrays = 2 if run.objective == "lm" else 3  # inputs and targets; a preference answer's mask too
+  # Inputs and targets; a preference answer's mask too; a rollout's token weights and advantages (4 bytes each).
+  arrays = {"lm": 2, "dpo": 3, "grpo": 4}[run.objective]
   return {**state(run, mesh, weights), "batch": arrays * local_batch * d.length * INT32_BYTES,
           "activations": activations(run, d, weights)}
 

@@ -52,8 +52,8 @@ class Run:
   sharding: Sharding
   optimizer: Any  # config.optimizer, which its registered costs read (training/optimizer.py)
   moments: str  # precision.moments
-  # objective=dpo's frozen reference (training/preference.py): float32 weights laid out as the parameters, run
-  # forward once per step on the whole batch
+  # objective=dpo's (or grpo's, beta > 0) frozen reference (training/preference.py, training/grpo.py): float32
+  # weights laid out as the parameters, run forward once per step on the whole batch
   reference: bool = False
   objective: str = "lm"
   lora: Lora | None = None  # LoRA's adapters train, the weights stay frozen (training/lora.py)
@@ -70,7 +70,7 @@ def run_of(config) -> Run:
              pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages, p.first_stage_layers,
                                p.last_stage_layers),
              sharding=Sharding(config.sharding.zero, config.sharding.fsdp_group), optimizer=config.optimizer,
-             moments=config.precision.moments, reference=bool(settings and settings.uses_reference),
+             moments=config.precision.moments, reference=preference.keeps_reference(config),
              objective=config.objective, lora=lora.settings(config))
 
 

@@ -166,32 +166,29 @@ def feed_forward(layer, norm, x_BTD, positions_T):
   return constrain(unchunk(y_CBtD), ACTIVATION_AXES), {}
 
 
-def head_token_losses(model, x_BtD, targets_Bt, normalized=False):
-  """Each position's cross-entropy of the head's prediction for `x_BtD` (after the final norm, unless `normalized`)."""
+def head_token_losses(model, x_BtD, targets_Bt, normalized=False, temperature=1.0):
+  """Each position's cross-entropy of the head's prediction for `x_BtD` (after the final norm, unless `normalized`),
+  the logits divided by `temperature` (as a sampler at that temperature draws from them)."""
   logits_BtV = model.head_logits(x_BtD) if normalized else model.head_output(x_BtD)
   multiplier = model.cfg.output_multiplier
   if model.cfg.logit_softcap:  # capped as the softmax sees them (after muP's multiplier), in float32
     logits_BtV, multiplier = soft_capped(logits_BtV.astype(jnp.float32) * multiplier, model.cfg.logit_softcap), 1.0
-  return token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier)
+  return token_losses(logits_BtV, targets_Bt, model.cfg.vocab_size, multiplier / temperature)
 
 
-def sequence_log_probs(model, x_BTD, targets_BT, mask_BT):
-  """Each row's log-probability of its targets where `mask_BT` is 1 (a completion's tokens), float32 [B].
+def token_log_probs(model, x_BTD, targets_BT, temperature=1.0):
+  """Each position's log-probability of its target, float32 [B, T], the logits over `temperature`.
 
-  What preference objectives compare (training/preference.py): a nonlinear function of each row's sum, so the
-  chunked loss's trick of taking the head's gradient in the forward pass (which needs one scalar) does not
-  apply. The head runs on one chunk of positions at a time, recomputed in the backward pass: the logits still
-  exist for one chunk only.
+  What preference and reinforcement objectives take (training/preference.py, training/grpo.py): nonlinear
+  functions of these, so the chunked loss's trick of taking the head's gradient in the forward pass (which needs one
+  scalar) does not apply. The head runs on one chunk of positions at a time, recomputed in the backward pass: the
+  logits still exist for one chunk only.
   """
   chunks = chunk_count(x_BTD.shape[1], model.cfg.loss_chunk)
-
-  @jax.checkpoint
-  def chunk_sums(chunk):
-    x_BtD, targets_Bt, mask_Bt = chunk
-    return -(head_token_losses(model, x_BtD, targets_Bt) * mask_Bt).sum(-1)
-
+  chunk_log_probs = jax.checkpoint(lambda x_BtD, targets_Bt: -head_token_losses(model, x_BtD, targets_Bt,
+                                                                                 temperature=temperature))
   to_chunks = lambda x: strided_chunks(x, chunks)
-  return jax.lax.map(chunk_sums, (to_chunks(x_BTD), to_chunks(targets_BT), to_chunks(mask_BT))).sum(0)
+  return unchunk(jax.lax.map(lambda chunk: chunk_log_probs(*chunk), (to_chunks(x_BTD), to_chunks(targets_BT))))
 
 
 def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=False):
@@ -365,9 +362,15 @@ class LanguageModel(nnx.Module):
 
   def sequence_log_probs(self, tokens_BT, targets_BT, mask_BT, positions_T=None):
     """(each row's log-probability of its targets where `mask_BT` is 1, float32 [B]; router statistics)."""
+    log_probs_BT, stats = self.token_log_probs(tokens_BT, targets_BT, positions_T)
+    return (log_probs_BT * mask_BT).sum(-1), stats
+
+  def token_log_probs(self, tokens_BT, targets_BT, positions_T=None, temperature=1.0):
+    """(each position's log-probability of its target, float32 [B, T], the logits over `temperature`; router
+    statistics). Each row is one sequence: no packed documents."""
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
     x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, positions_T), positions_T)
-    return sequence_log_probs(self, x_BTD, targets_BT, mask_BT), stats
+    return token_log_probs(self, x_BTD, targets_BT, temperature), stats
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):
     """The next-token cross-entropy (what evaluation reports)."""

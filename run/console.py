@@ -12,10 +12,11 @@ def log(line: str) -> None:
 
 
 def optional_figures(fetched: dict) -> dict:
-  """float16's loss scale, the multi-token prediction modules' cross-entropy, a MoE model's router statistics and
-  a preference objective's rewards as scalars; each expert's share of the choices gets its own key."""
+  """float16's loss scale, the multi-token prediction modules' cross-entropy, a MoE model's router statistics, a
+  preference objective's rewards and GRPO's rollout figures as scalars; each expert's share of the choices gets
+  its own key."""
   figures = {key: float(value) for key, value in fetched.items()
-             if key.startswith(("moe_", "dpo_")) or key in ("loss_scale", mtp.LOSS)}
+             if key.startswith(("moe_", "dpo_", "grpo_")) or key in ("loss_scale", mtp.LOSS)}
   if "expert_load" in fetched:
     figures.update({f"expert_load/{i}": float(share) for i, share in enumerate(fetched["expert_load"])})
   return figures
@@ -31,6 +32,8 @@ def step_line(m: dict) -> str:
           f"tokens/s {m['tokens_per_sec']:,.0f}  mfu {mfu}{skipped}{scale}")
   if "dpo_accuracy" in m:
     line += f"  reward accuracy {m['dpo_accuracy']:.2f}  margin {m['dpo_margin']:.3f}"
+  if "grpo_reward" in m:
+    line += f"  reward {m['grpo_reward']:.3f}  completion length {m['grpo_completion_length']:.1f}"
   if "moe_balance_loss" in m:
     loads = [value for key, value in m.items() if key.startswith("expert_load/")]
     line += (f"  balance {m['moe_balance_loss']:.3f}  z {m['moe_z_loss']:.2f}  dropped {m['moe_dropped']:.1%}"

@@ -47,12 +47,10 @@ class LocalStepper(Stepper):
     """Each step's metrics stay on device; a log step's are ready when it is yielded."""
     in_flight, log_every = StepsInFlight(), self._config.log_every
     while True:
-      asked = time.perf_counter()
       try:
-        step, batch = next(self._batches)
+        step, batch, figures, timing = self._next_batch()
       except StopIteration:
         return
-      waited = time.perf_counter() - asked  # the prefetcher was behind
       done = step + 1
       self._profiler.before(done)
       with self._profiler.annotate(done):
@@ -61,7 +59,13 @@ class LocalStepper(Stepper):
       self._profiler.after(done, self.state)
       if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
         jax.block_until_ready(pending)
-      yield StepDone(done, self.state, pending, stop=self._stop.requested(done, log_every), data_seconds=waited)
+      yield StepDone(done, self.state, {**pending, **figures}, stop=self._stop.requested(done, log_every), **timing)
+
+  def _next_batch(self) -> tuple:
+    """(step, batch, figures the step's metrics carry, StepDone's timing fields) of the next step."""
+    asked = time.perf_counter()
+    step, batch = next(self._batches)
+    return step, batch, {}, {"data_seconds": time.perf_counter() - asked}  # the prefetcher was behind
 
   def evaluate(self, done: StepDone) -> float:
     return eval_loss(self._eval_step, self.layout, done.state, split=self._val_split,

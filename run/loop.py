@@ -3,6 +3,7 @@ the steps a stepper takes (training/stepper.py: on the mesh as planned, or as re
 chooses)."""
 
 import contextlib
+import functools
 import time
 
 import jax
@@ -24,6 +25,7 @@ from run.console import log, optional_figures, step_line
 from run.local_stepper import LocalStepper
 from run.nonfinite import NonfiniteUpdates
 from run.resume import open_branch, start_state
+from run.rollout_stepper import RolloutStepper
 from training import metrics
 from training.checkpoint import Checkpoints, data_record, tokenizer_record
 from training.sample import check_request, encode_prompt, generate
@@ -75,7 +77,8 @@ def train(config, dry_run: bool = False) -> dict:
         last = {}
       else:
         with ledger.timing("compile"):  # both steppers compile their steps ahead
-          stepper = tolerance.stepper(LocalStepper, config, layout, state, train_split, val_split, stop, checkpoints)
+          local = LocalStepper if layout.grpo is None else functools.partial(RolloutStepper, tokenizer=text_tokenizer)
+          stepper = tolerance.stepper(local, config, layout, state, train_split, val_split, stop, checkpoints)
         ledger.add("startup", ledger.unaccounted())  # everything before the first step but the above
         last = _run(config, stepper, checkpoints, stop, text_tokenizer, ledger)
   finally:
@@ -130,6 +133,7 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
         speed.rewound(finished.step - 1)
       done, state = finished.step, finished.state
       ledger.add("data_wait", finished.data_seconds)
+      ledger.add("generation", finished.generation_seconds)
       ledger.add("evaluation", finished.eval_seconds)
       bar.update(done - bar.n)
       for event in finished.events:
@@ -143,10 +147,11 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
           stepper.guarded(lambda: checkpoints.save_now(done, state, config))  # skipped steps left it good
           raise ValueError(refusal)
       if eval_due(config, done):
+        name = stepper.eval_metric  # eval_loss, or eval_reward under objective=grpo
         with ledger.timing("evaluation"):
-          last["eval_loss"] = stepper.evaluate(finished)
-        writer.write(done, {"eval_loss": last["eval_loss"]})
-        log(f"step {done:6d}  eval loss {last['eval_loss']:.4f}")
+          last[name] = stepper.evaluate(finished)
+        writer.write(done, {name: last[name]})
+        log(f"step {done:6d}  {name.replace('_', ' ')} {last[name]:.4f}")
       ledger.step(done)  # before the save: a save that a lost process broke is the next step's to tell
       _save(config, stepper, checkpoints, done, state, ledger)
       if finished.stop:

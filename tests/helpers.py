@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,10 +14,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from configs.gpt2 import get_config
 from configs.load import set_fields
 from input_pipeline import data
+from interop import hf_checkpoint
 from model import mtp
 from model.placement import placed
 from model.stack import unit_of
@@ -295,3 +298,19 @@ def pair_chunks(seed: int, count: int, vocab: int):
     prompt = rng.integers(1, vocab, rng.integers(2, 9))
     yield tuple((np.concatenate([prompt, answer]), np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]))
                 for answer in (rng.integers(1, vocab, rng.integers(1, 10)) for _ in range(2)))
+
+
+def hf_gradients(where: Path, model_config, grads) -> dict:
+  """`grads` (meshlm's tree) under transformers' names, as tools/export.py would write them."""
+  exported = hf_checkpoint.write(str(Path(tempfile.mkdtemp(dir=where)) / "gradients"), model_config, grads)
+  return load_file(str(exported / "model.safetensors"))
+
+
+def assert_hf_gradients_close(ours: dict, expected) -> None:
+  """Each "grad:NAME" of the sidecar's `expected` npz equals ours[NAME] to 1e-5 of its largest entry."""
+  names = {key.removeprefix("grad:") for key in expected.files if key.startswith("grad:")}
+  assert names <= set(ours), names - set(ours)
+  for name in names:
+    theirs = expected[f"grad:{name}"]
+    np.testing.assert_allclose(ours[name].reshape(theirs.shape), theirs, rtol=0,
+                               atol=1e-5 * np.abs(theirs).max(), err_msg=name)

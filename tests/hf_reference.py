@@ -20,6 +20,11 @@ transformers take seconds to import, so the tests batch their questions):
       TRL's DPOTrainer (trl 1.16; CPOTrainer's loss for "simpo") on D against the model in R: the loss,
       the mean chosen and rejected rewards, the mean margin and accuracy, and the loss's gradient of each weight;
       with W > 0, TRL's "sft" loss added at weight W
+  {"grpo": D, "reference": R, "batch": B.npz, "group": G, "loss_type": L, "beta": K, "temperature": T,
+   "scale_rewards": S, "out": O.npz}
+      TRL's GRPOTrainer (trl 1.16) on D, the model in R as its reference: for B's prompt_ids, completion_ids,
+      completion_mask and rewards, the advantages as TRL forms them, its loss (_compute_loss), its logged KL and
+      the loss's gradient of each weight
   {"peft": D, "adapter": A, "tokens": T.npy, "out": O.npy}
       float32 logits of D with the PEFT adapter directory A loaded onto it (PeftModel.from_pretrained)
   {"compare": [D1, D2], "out": O.json}                   whether two dirs load to identical weights (and tying
@@ -237,6 +242,53 @@ def dpo(job):
            **{f"grad:{name}": weight.grad.numpy() for name, weight in model.named_parameters()})
 
 
+def grpo(job):
+  from datasets import Dataset
+  from tokenizers import Tokenizer, models
+  from transformers import PreTrainedTokenizerFast
+  from trl import GRPOConfig, GRPOTrainer
+  from trl.trainer.utils import nanstd
+  # TRL builds its reference from the path the policy was loaded from: load the reference's, then the policy's
+  # weights into it.
+  model = load(job["reference"])
+  model.load_state_dict(load(job["grpo"]).state_dict())
+  vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                      eos_token="t0", pad_token="t0")
+  batch = {key: torch.from_numpy(value) for key, value in np.load(job["batch"]).items()}
+  b, c = batch["completion_ids"].shape
+  # The advantages as _generate_and_score_completions forms them from the rewards (multi_objective_aggregation's
+  # default, one reward function).
+  rewards = batch["rewards"].double()
+  grouped = rewards.view(-1, job["group"])
+  std = {"group": nanstd(grouped, dim=1).repeat_interleave(job["group"]), "batch": nanstd(rewards).expand_as(rewards),
+         "none": None}[job["scale_rewards"]]
+  advantages = rewards - grouped.nanmean(1).repeat_interleave(job["group"])
+  if std is not None:
+    advantages = advantages / (std + 1e-4)
+  with tempfile.TemporaryDirectory() as folder:
+    args = GRPOConfig(output_dir=folder, beta=job["beta"], loss_type=job["loss_type"], temperature=job["temperature"],
+                      scale_rewards=job["scale_rewards"], num_generations=job["group"], per_device_train_batch_size=b,
+                      max_completion_length=c, report_to=[], use_cpu=True, bf16=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": "t1"}] * b))
+    model.eval()  # "eval" mode: no accumulation normalizer, dropout off
+    inputs = {"prompt_ids": batch["prompt_ids"].long(), "prompt_mask": torch.ones_like(batch["prompt_ids"]),
+              "completion_ids": batch["completion_ids"].long(), "completion_mask": batch["completion_mask"].long(),
+              "advantages": advantages.float(), "num_items_in_batch": batch["completion_mask"].sum().float()}
+    if job["beta"]:
+      with torch.no_grad():
+        inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model.eval(), torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), c)
+    loss = trainer._compute_loss(model, inputs)
+    figures = {key: values[-1] for key, values in trainer._metrics["eval"].items()}
+    loss.backward()
+  np.savez(job["out"], loss=loss.item(), advantages=advantages.float().numpy(),
+           **{f"figure:{key}": value for key, value in figures.items()},
+           **{f"grad:{name}": weight.grad.numpy() for name, weight in model.named_parameters()})
+
+
 def peft_logits(job):
   from peft import PeftModel
   tokens = torch.from_numpy(np.load(job["tokens"])).long()
@@ -245,8 +297,8 @@ def peft_logits(job):
     np.save(job["out"], model(input_ids=tokens).logits.numpy())
 
 
-JOBS = {"make": make, "dpo": dpo, "peft": peft_logits, "harness": harness, "logits": logits, "loss": loss, "modules": modules, "compare": compare,
-        "tokenize": tokenize, "chat": chat}
+JOBS = {"make": make, "dpo": dpo, "grpo": grpo, "peft": peft_logits, "harness": harness, "logits": logits,
+        "loss": loss, "modules": modules, "compare": compare, "tokenize": tokenize, "chat": chat}
 
 if __name__ == "__main__":
   torch.set_num_threads(1)  # the tests run beside XLA on a small machine

@@ -9,16 +9,14 @@ Float32 on both sides: the loss and rewards agree to 1e-5 and each weight's grad
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from configs.load import set_fields
-from helpers import ROOT, data_config, pair_chunks, read_metrics, run_reference, tiny_config
+from helpers import (ROOT, assert_hf_gradients_close, data_config, hf_gradients, pair_chunks, read_metrics,
+                     run_reference, tiny_config)
 from input_pipeline import data, token_files
 from interop import hf_checkpoint
 from model.placement import placed
@@ -89,8 +87,7 @@ def meshlm_step(where, loss, devices, **overrides):
       return loss_and_grads(layout, params, preference.with_reference(layout, reference, batch), config.grad_accum)
 
   (_, stats), grads = jax.device_get(run(params, reference, batch))
-  exported = hf_checkpoint.write(str(Path(tempfile.mkdtemp(dir=where)) / "gradients"), layout.model, grads)
-  return float(stats[preference.LOSS]), stats, load_file(str(exported / "model.safetensors"))
+  return float(stats[preference.LOSS]), stats, hf_gradients(where, layout.model, grads)
 
 
 def assert_matches_trl(where, loss, devices, **overrides):
@@ -100,12 +97,7 @@ def assert_matches_trl(where, loss, devices, **overrides):
   for ours, theirs in (("dpo_chosen_reward", "rewards/chosen"), ("dpo_rejected_reward", "rewards/rejected"),
                        ("dpo_margin", "rewards/margins"), ("dpo_accuracy", "rewards/accuracies")):
     np.testing.assert_allclose(stats[ours], expected[f"figure:{theirs}"], rtol=1e-5, atol=1e-6, err_msg=ours)
-  names = {key.removeprefix("grad:") for key in expected.files if key.startswith("grad:")}
-  assert names <= set(grads), names - set(grads)
-  for name in names:
-    theirs = expected[f"grad:{name}"]
-    np.testing.assert_allclose(grads[name].reshape(theirs.shape), theirs, rtol=0,
-                               atol=1e-5 * np.abs(theirs).max(), err_msg=name)
+  assert_hf_gradients_close(grads, expected)
 
 
 @pytest.mark.parametrize("loss", LOSSES)

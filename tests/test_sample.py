@@ -67,7 +67,7 @@ def test_cached_greedy_decoding_equals_full_recompute(family):
   batch = decode_batch(layout, 1)
   sampler = make_sampler(layout, batch=batch, prompt_len=len(PROMPT), num_tokens=12, keep_logits=True)
   prompt_BP, key = np.tile(PROMPT, (batch, 1)), jax.random.key(0)
-  tokens, logits = jax.device_get(sampler(params, prompt_BP, key, np.float32(0), np.int32(0)))
+  tokens, logits = jax.device_get(sampler(params, prompt_BP, key, np.float32(0), np.int32(0), np.float32(1)))
   # Causal attention: the full forward's logits at each position are what a
   # recomputing decoder would see after feeding every earlier token.
   reference = full_forward_logits(layout, params, np.concatenate([PROMPT, tokens[0]]))[len(PROMPT) - 1:-1]
@@ -77,9 +77,12 @@ def test_cached_greedy_decoding_equals_full_recompute(family):
   assert init_cache(m, 1)["k"].shape[3] == (m.max_len if m.global_every else m.sliding_window or m.max_len)
   np.testing.assert_array_equal(tokens[0], reference.argmax(-1))
   # Sampling among the top 1 at any temperature is greedy; among the top 5 it is not.
-  top_1, _ = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(1)))
+  top_1, _ = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(1), np.float32(1)))
   np.testing.assert_array_equal(top_1, tokens)
-  top_5, logits_5 = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(5)))
+  # A nucleus too small to hold two tokens keeps the most likely one: greedy again.
+  nucleus, _ = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(0), np.float32(1e-6)))
+  np.testing.assert_array_equal(nucleus, tokens)
+  top_5, logits_5 = jax.device_get(sampler(params, prompt_BP, key, np.float32(1.5), np.int32(5), np.float32(1)))
   assert (top_5 != tokens).any()
   ranks = (logits_5[0] > np.take_along_axis(logits_5[0], top_5[0][:, None], axis=-1)).sum(-1)
   assert ranks.max() < 5  # but every pick is among the 5 most likely
@@ -95,7 +98,7 @@ def test_expert_parallel_decoding_exchanges_tokens_without_regathering_them(capf
   prompt_BP, key = np.tile(PROMPT, (batch, 1)), jax.random.key(0)
   capfd.readouterr()
   compiled, partitioned = analysis.compile_partitioned(sampler.lower(params, prompt_BP, key, np.float32(0),
-                                                                     np.int32(0)))
+                                                                     np.int32(0), np.float32(1)))
   # XLA logs a reshard it can only do by replicating the tensor from C++, straight to file descriptor 2.
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
   found = analysis.collectives(compiled, layout.mesh, partitioned=partitioned)
@@ -106,8 +109,8 @@ def test_expert_parallel_decoding_exchanges_tokens_without_regathering_them(capf
   # The same tokens and logits as on one device.
   one_device = plan(tiny_config(**moe, **{"mesh.data": 1}), jax.devices()[:1])
   alone = make_sampler(one_device, batch=1, prompt_len=len(PROMPT), num_tokens=6, keep_logits=True)
-  tokens_BN, logits_BNV = jax.device_get(compiled(params, prompt_BP, key, np.float32(0), np.int32(0)))
-  expected_1N, expected_1NV = alone(jax.device_get(params), PROMPT[None], key, np.float32(0), np.int32(0))
+  tokens_BN, logits_BNV = jax.device_get(compiled(params, prompt_BP, key, np.float32(0), np.int32(0), np.float32(1)))
+  expected_1N, expected_1NV = alone(jax.device_get(params), PROMPT[None], key, np.float32(0), np.int32(0), np.float32(1))
   np.testing.assert_array_equal(tokens_BN[:1], expected_1N)
   np.testing.assert_allclose(logits_BNV[:1], expected_1NV, rtol=1e-5, atol=1e-5)
 

@@ -27,8 +27,9 @@ from input_pipeline.data import ANSWERS, PAIR_FIELDS as FIELDS
 from model.moe import AUX_LOSS
 from parallel import context
 from parallel.mesh import SEQUENCE
+from training import grpo
 
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")  # grpo: training/grpo.py
 LOSSES = ("sigmoid", "robust", "ipo", "simpo")
 LOSS = "preference_loss"  # the statistic the step reports as its loss
 
@@ -53,6 +54,12 @@ def settings(config) -> Preference | None:
     return None
   return Preference(loss=config.dpo.loss, beta=config.dpo.beta, label_smoothing=config.dpo.label_smoothing,
                     gamma=config.dpo.gamma, sft_weight=config.dpo.sft_weight)
+
+
+def keeps_reference(config) -> bool:
+  """Whether config's objective compares the policy with the weights it started from: DPO's losses but SimPO, and
+  GRPO with a KL term (training/grpo.py)."""
+  return any(s is not None and s.uses_reference for s in (settings(config), grpo.settings(config)))
 
 
 def batch_keys() -> tuple[str, ...]:

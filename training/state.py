@@ -20,9 +20,10 @@ from model.transformer import STACKED, chunk_positions
 from parallel import rules, schedules, stages
 from parallel.checks import attention_kernel, check_backend, check_divides
 from parallel.mesh import DATA, EXPERT, PIPELINE, SEQUENCE, make_mesh
-from training import lora, loss_scale, preference
+from training import grpo, lora, loss_scale, preference
 from training.optimizer import make_optimizer
 from training.lora import Lora
+from training.grpo import Grpo
 from training.preference import Preference
 
 
@@ -67,6 +68,7 @@ class Layout:
   initial_loss_scale: float | None  # float16's starting loss scale; None without loss scaling
   preference: Preference | None = None  # objective=dpo's settings; None for a language model
   lora: Lora | None = None  # LoRA's settings: the state's "adapters" train, its "params" stay frozen
+  grpo: Grpo | None = None  # objective=grpo's settings
   logical: dict | None = None  # the parameters' logical PartitionSpecs
 
   @property
@@ -136,8 +138,7 @@ def plan(config, devices=None) -> Layout:
   if adapters:
     abstract_state[lora.ADAPTERS] = trained
     state_shardings[lora.ADAPTERS] = rules.shardings(trained_logical, mesh, rules.weight_rules(zero, axis))
-  settings = preference.settings(config)
-  if settings and settings.uses_reference and not adapters:  # the frozen weights the policy is compared with
+  if preference.keeps_reference(config) and not adapters:  # the frozen weights the policy is compared with
     # (under LoRA the frozen parameters are that reference already), laid out as its own
     abstract_state["reference"], state_shardings["reference"] = params_abstract, param_shardings
   if loss_scale.uses_loss_scaling(config):
@@ -151,7 +152,8 @@ def plan(config, devices=None) -> Layout:
                 virtual_stages=schedules.virtual_stages(config.pipeline), stage_units=stage_units,
                 context=config.attention.context if mesh.shape[SEQUENCE] > 1 else "none",
                 initial_loss_scale=float(config.precision.loss_scale) if loss_scale.uses_loss_scaling(config) else None,
-                preference=settings, lora=adapters, logical=logical)
+                preference=preference.settings(config), lora=adapters, grpo=grpo.settings(config),
+                logical=logical)
 
 
 def _moment_leaves(opt_state, params, moment_shardings, other):
@@ -218,11 +220,16 @@ def active_param_count(layout: Layout) -> int:
 
 def abstract_inputs(layout: Layout, config, weighted: bool = False):
   """ShapeDtypeStructs carrying shardings for the state and one batch (with loss weights where `weighted`:
-  the data has loss masks, its split's `mask`; preference pairs under objective=dpo)."""
+  the data has loss masks, its split's `mask`; preference pairs under objective=dpo; rollouts under
+  objective=grpo)."""
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        layout.abstract_state, layout.state_shardings)
-  entries = ((("inputs", "int32"), ("targets", "int32"), *((("weights", "float32"),) if weighted else ()))
-             if layout.preference is None else [(key, "int32") for key in preference.batch_keys()])
+  if layout.preference is not None:
+    entries = [(key, "int32") for key in preference.batch_keys()]
+  elif layout.grpo is not None:
+    entries = [(key, "int32" if key in ("inputs", "targets") else "float32") for key in grpo.FIELDS]
+  else:
+    entries = (("inputs", "int32"), ("targets", "int32"), *((("weights", "float32"),) if weighted else ()))
   batch = {name: jax.ShapeDtypeStruct((config.batch_size, layout.model.max_len), dtype, sharding=layout.batch_sharding)
            for name, dtype in entries}
   return state, batch

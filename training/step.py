@@ -13,7 +13,7 @@ from model.placement import placed
 from model.stack import STACKED
 from parallel import context, microbatch, pipeline, placement
 from parallel.mesh import SEQUENCE
-from training import lora, loss_scale, preference, schedule_free
+from training import grpo, lora, loss_scale, preference, schedule_free
 from training.optimizer import learning_rate
 from training.state import Layout, abstract_inputs
 
@@ -38,9 +38,11 @@ def normalized_weights(batch):
 
 def objective(layout: Layout, params, batch):
   """(what training differentiates, statistics with the cross-entropy (the preference loss under
-  objective=dpo) and any router figures)."""
+  objective=dpo, the policy loss under objective=grpo) and any router figures)."""
   if layout.preference is not None:
     return preference.objective(layout, params, batch)
+  if layout.grpo is not None:
+    return grpo.objective(layout, params, batch)
   model = nnx.merge(layout.graphdef, params)
   order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
   if order_T is None:
@@ -52,9 +54,10 @@ def objective(layout: Layout, params, batch):
 
 
 def reported_loss(stats: dict, objective_value):
-  """The loss a step reports (and pops from `stats`): the cross-entropy, or the preference loss, without router
-  losses, so that dense and MoE runs compare."""
-  return next((stats.pop(key) for key in ("cross_entropy", preference.LOSS) if key in stats), objective_value)
+  """The loss a step reports (and pops from `stats`): the cross-entropy, or the preference or policy loss, without
+  router losses, so that dense and MoE runs compare."""
+  return next((stats.pop(key) for key in ("cross_entropy", preference.LOSS, grpo.LOSS) if key in stats),
+              objective_value)
 
 
 def loss_fn(layout: Layout, params, batch) -> jax.Array:
@@ -164,6 +167,8 @@ def make_train_step(layout: Layout, config, donate: bool = True):
                                             layout.trained_shardings)
       if layout.preference is not None:  # under LoRA the frozen parameters are the reference
         batch = preference.with_reference(layout, state.get("reference", state["params"]), batch)
+      if layout.grpo is not None:
+        batch = grpo.with_reference(layout, state.get("reference", state["params"]), batch)
       (loss, stats), grads = loss_and_grads(layout, at, batch, grad_accum, scale, weights)
     if scale is not None:
       grads = jax.tree.map(lambda g: g / scale, grads)

@@ -37,6 +37,7 @@ class StepDone:
   eval_loss: float | None = None  # where the stepper evaluates with the step (survive mode)
   eval_seconds: float = 0.0  # what that evaluation took
   data_seconds: float = 0.0  # waiting for the step's batch
+  generation_seconds: float = 0.0  # sampling the step's rollouts (objective=grpo)
 
 
 class Stepper(abc.ABC):
@@ -48,6 +49,7 @@ class Stepper(abc.ABC):
   layout: Layout
   state: dict
   peak_bytes: int
+  eval_metric = "eval_loss"  # what `evaluate` returns, as the metrics name it
 
   @abc.abstractmethod
   def steps(self) -> Iterator[StepDone]:

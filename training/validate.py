@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from training import lora, preference
+from training import grpo, lora, preference, rewards
 
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -121,11 +121,30 @@ def check_run(config) -> None:
 
 
 def _check_preference(config) -> None:
-  """Refuses a preference objective the run cannot train (training/preference.py)."""
+  """Refuses a preference or reinforcement objective the run cannot train (training/preference.py,
+  training/grpo.py)."""
   if config.objective not in preference.OBJECTIVES:
     raise ValueError(f"objective={config.objective!r} is unknown; use {' or '.join(preference.OBJECTIVES)}.")
-  if config.objective != "dpo":
+  if config.objective == "lm":
     return
+  if config.objective == "dpo":
+    _check_dpo(config)
+  else:
+    _check_grpo(config)
+  for field, value, why in (("mesh.pipeline", config.mesh.pipeline > 1, "a pipeline's last stage scores next "
+                             "tokens, not whole answers; use mesh.pipeline=1"),
+                            ("model.mtp_depth", config.model.mtp_depth, "prediction modules train next tokens "
+                             "only; set model.mtp_depth=0"),
+                            ("branch_from", config.branch_from, "a branch carries another objective's optimizer "
+                             "state and step; export that run (tools/export.py) and start from it with "
+                             "--config.init_from=hf:DIR"),
+                            ("fault_tolerance", config.fault_tolerance == "survive", "survive mode steps on "
+                             "language-model batches; use fault_tolerance=none")):
+    if value:
+      raise ValueError(f"objective={config.objective} with {field}={_get(config, field)!r}: {why}.")
+
+
+def _check_dpo(config) -> None:
   if config.dpo.loss not in preference.LOSSES:
     raise ValueError(f"dpo.loss={config.dpo.loss!r} is unknown; use one of {', '.join(preference.LOSSES)}.")
   _finite_non_negative(config, "dpo.beta", "the log-ratio's scale; 0.1 is usual", zero=False)
@@ -139,17 +158,32 @@ def _check_preference(config) -> None:
     raise ValueError(f"objective=dpo trains on preference pairs, which data.source={config.data.source!r} does not "
                      "hold; prepare them with tools/prepare.py --chosen_field=... --rejected_field=... and give "
                      "--config.data.source=tokens --config.data.path=DIR.")
-  for field, value, why in (("mesh.pipeline", config.mesh.pipeline > 1, "a pipeline's last stage scores tokens, "
-                             "not the pairs' answers; use mesh.pipeline=1"),
-                            ("model.mtp_depth", config.model.mtp_depth, "prediction modules train next tokens "
-                             "only; set model.mtp_depth=0"),
-                            ("branch_from", config.branch_from, "a branch carries another objective's optimizer "
-                             "state and step; export that run (tools/export.py) and start from it with "
-                             "--config.init_from=hf:DIR"),
-                            ("fault_tolerance", config.fault_tolerance == "survive", "survive mode steps on "
-                             "language-model batches; use fault_tolerance=none")):
-    if value:
-      raise ValueError(f"objective=dpo with {field}={_get(config, field)!r}: {why}.")
+
+
+def _check_grpo(config) -> None:
+  g = config.grpo
+  if not g.prompts:
+    raise ValueError("objective=grpo samples completions of prompts, and grpo.prompts names none; give "
+                     "--config.grpo.prompts=FILE.jsonl, records with a prompt and its answer.")
+  _at_least(config, "grpo.group", 2, ": completions per prompt, whose rewards are compared with each other")
+  if config.batch_size % g.group:
+    raise ValueError(f"batch_size={config.batch_size} is not a multiple of grpo.group={g.group}: a batch holds "
+                     "whole groups of one prompt's completions; make batch_size a multiple of it.")
+  _at_least(config, "grpo.max_new_tokens", 1)
+  _finite_non_negative(config, "grpo.temperature", "the sampling temperature the rollouts and the loss share",
+                       zero=False)
+  _in_range(config, "grpo.top_p", 0, 1, closed=True, what="the nucleus' probability; 1 keeps every token")
+  if not g.top_p:
+    raise ValueError("grpo.top_p=0 keeps no token; use a value in (0, 1].")
+  _at_least(config, "grpo.top_k", 0, " (0 keeps the whole vocabulary)")
+  _finite_non_negative(config, "grpo.beta", "the KL divergence's weight; 0 leaves the reference out")
+  for field, allowed in (("grpo.loss", grpo.LOSSES), ("grpo.scale_rewards", grpo.SCALES)):
+    if _get(config, field) not in allowed:
+      raise ValueError(f"{field}={_get(config, field)!r} is unknown; use one of {', '.join(allowed)}.")
+  if config.eval_every and not g.eval_prompts:
+    raise ValueError(f"eval_every={config.eval_every} under objective=grpo scores greedy answers to "
+                     "grpo.eval_prompts, which names no file; give one, or set --config.eval_every=0.")
+  rewards.reward(g.reward)  # an unknown or unimportable reward, refused in one sentence
 
 
 def _check_lora(config) -> None:
