@@ -45,6 +45,8 @@ def train(config, dry_run: bool = False) -> dict:
   if pretrained is not None:  # the checkpoint decides the model's shape
     config = with_fields(config, pretrained.model_fields(config))
   check_run(config)
+  if config.objective == "grpo":  # its batches are sampled for grpo.prompts: no token data is read
+    config = with_fields(config, {"data.source": "synthetic"})
   distributed.check_same_config(config)
   train_split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   val_split = data.open_split(config.data, "val", vocab_size=config.model.vocab_size)

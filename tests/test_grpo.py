@@ -116,7 +116,7 @@ def test_train_py_raises_a_reward_from_its_own_samples_and_resumes_exactly(tmp_p
   # A digit as the one new token: about 4% of a random byte model's samples at first.
   common = {"objective": "grpo", "grpo.prompts": str(tmp_path / "train.jsonl"),
             "grpo.eval_prompts": str(tmp_path / "held_out.jsonl"), "grpo.reward": "format:[0-9]",
-            "grpo.max_new_tokens": 1, "grpo.group": 8, "batch_size": 32, "data.source": "synthetic",
+            "grpo.max_new_tokens": 1, "grpo.group": 8, "batch_size": 32,
             "optimizer.lr": 3e-2, "log_every": 1, "eval_every": 5, "checkpoint.every": 10, "sample_tokens": 0}
   last = train(tiny_config(**common, steps=20, workdir=str(tmp_path / "whole")))
   records = read_metrics(tmp_path / "whole")
@@ -171,6 +171,7 @@ GOOD = {"objective": "grpo", "grpo.prompts": "prompts.jsonl", "eval_every": 0}
     ({"grpo.reward": "no_such_module:f"}, r"cannot be imported"),
     ({"grpo.reward": "format:("}, r"holds no valid regular expression"),
     ({"eval_every": 10}, r"scores greedy answers to grpo.eval_prompts, which names no file"),
+    ({"data.source": "tokens"}, r"reads no token data"),
     ({"mesh.pipeline": 2}, r"objective=grpo with mesh.pipeline=2"),
 ])
 def test_bad_grpo_settings_are_refused_in_one_sentence(overrides, message, tmp_path):
@@ -180,8 +181,7 @@ def test_bad_grpo_settings_are_refused_in_one_sentence(overrides, message, tmp_p
 
 def test_prompts_the_rollouts_cannot_take_are_refused_before_compiling(tmp_path):
   write_sums(tmp_path / "sums.jsonl", range(2))
-  common = {**GOOD, "grpo.prompts": str(tmp_path / "sums.jsonl"), "data.source": "synthetic", "steps": 1,
-            "sample_tokens": 0}
+  common = {**GOOD, "grpo.prompts": str(tmp_path / "sums.jsonl"), "steps": 1, "sample_tokens": 0}
   for overrides, message in (({"grpo.answer_field": "result"}, r"record 1 of .* has no 'result'"),
                              ({"grpo.max_new_tokens": 40}, r"exceeds the model's context of model.max_len=32"),
                              ({"grpo.stop": "ab"}, r"grpo.stop holds 'ab', which is 2 tokens"),

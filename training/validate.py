@@ -183,6 +183,9 @@ def _check_grpo(config) -> None:
   if config.eval_every and not g.eval_prompts:
     raise ValueError(f"eval_every={config.eval_every} under objective=grpo scores greedy answers to "
                      "grpo.eval_prompts, which names no file; give one, or set --config.eval_every=0.")
+  if config.data.source == "tokens":
+    raise ValueError("objective=grpo samples its batches for grpo.prompts and reads no token data; leave "
+                     "data.source at its default.")
   rewards.reward(g.reward)  # an unknown or unimportable reward, refused in one sentence
 
 
