@@ -64,6 +64,8 @@ LAYOUTS = {
     # the other layouts run.
     "dpo, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "objective": "dpo", "batch_size": 8},
     "dpo, fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "objective": "dpo", "batch_size": 8},
+    # GRPO (training/grpo.py) with its KL term: a rollout's four [B, T] entries, and the reference run forward once.
+    "grpo, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "objective": "grpo", "grpo.beta": 0.1},
     # LoRA (training/lora.py): the adapted kernels' gradients reduced as a weight's, the others' none; under ZeRO the
     # factor without `embed` sums its own over `data`; moments for the factors alone.
     "lora, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "lora.rank": 4, "lora.targets": "attention,mlp"},

@@ -103,6 +103,13 @@ def test_grpo_equals_trl_under_zero3_and_accumulation_and_the_ring(trl):
                                                         "attention.context": "ring"})
 
 
+def test_a_reference_is_kept_where_the_kl_term_needs_one_and_lora_has_none_of_its_own():
+  held = lambda **overrides: "reference" in plan(tiny_config(objective="grpo", **overrides)).abstract_state
+  assert held(**{"grpo.beta": 0.1})
+  assert not held()  # beta 0: no KL term
+  assert not held(**{"grpo.beta": 0.1, "lora.rank": 4})  # the frozen weights are the reference
+
+
 def write_sums(path, numbers):
   with open(path, "w") as f:
     for a in numbers:
