@@ -139,6 +139,17 @@ def test_train_py_raises_a_reward_from_its_own_samples_and_resumes_exactly(tmp_p
     assert resumed[key] == last[key], key
 
 
+def test_grpo_trains_adapters_against_the_frozen_weights_on_data_by_tensor(tmp_path):
+  write_sums(tmp_path / "train.jsonl", range(8))
+  train(tiny_config(**{"objective": "grpo", "grpo.prompts": str(tmp_path / "train.jsonl"), "grpo.beta": 0.1,
+                       "grpo.reward": "format:[0-9]", "grpo.max_new_tokens": 2, "lora.rank": 4,
+                       "mesh.data": 4, "mesh.tensor": 2, "optimizer.lr": 3e-2, "steps": 3, "log_every": 1,
+                       "eval_every": 0, "sample_tokens": 0, "workdir": str(tmp_path / "run")}))
+  kl = [r["grpo_kl"] for r in read_metrics(tmp_path / "run") if "grpo_kl" in r]
+  # B starts at zero: the first step's policy is its reference; then the adapters move it away.
+  assert kl[0] == 0 and kl[-1] > 0, kl
+
+
 def digit_share(completions, answers):
   """A reward of this module's, named as module:function."""
   return [sum(ch.isdigit() for ch in c.strip()) / max(len(c.strip()), 1) for c in completions]
