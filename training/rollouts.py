@@ -95,8 +95,17 @@ class Rollouts:
       check_request(self._length, longest, g.max_new_tokens, g.temperature, g.top_k, layout.model.vocab_size, g.top_p)
     self._stop_ids = stop_tokens(tokenizer, g.stop)
     self._reward = rewards.reward(g.reward)
-    self._rows = decode_batch(layout, config.batch_size)  # one sampler size for every call
-    self._samplers = {}  # by prompt length: each compiles once
+    self._rows = decode_batch(layout, config.batch_size)  # the most rows one call samples
+    self._samplers = {}  # by (prompt length, rows): each compiles once
+
+  def _sampler(self, length: int, count: int):
+    """The sampler for `count` prompts of `length` tokens: rows for the next power of two of them (at most
+    _rows), so that a step's few prompts of one length do not pay for a whole batch, and few sizes compile."""
+    rows = min(self._rows, decode_batch(self._layout, 1 << (count - 1).bit_length()))
+    if (length, rows) not in self._samplers:
+      self._samplers[length, rows] = make_sampler(self._layout, batch=rows, prompt_len=length,
+                                                  num_tokens=self._settings.max_new_tokens)
+    return self._samplers[length, rows], rows
 
   def _complete(self, weights, prompts: list, key, sampling) -> list:
     """One completion [max_new_tokens] of each prompt in `prompts`, those of a length sampled together."""
@@ -105,14 +114,12 @@ class Rollouts:
     for i, ids in enumerate(prompts):
       by_length.setdefault(len(ids), []).append(i)
     for length, indices in sorted(by_length.items()):
-      if length not in self._samplers:
-        self._samplers[length] = make_sampler(self._layout, batch=self._rows, prompt_len=length,
-                                              num_tokens=self._settings.max_new_tokens)
       for start in range(0, len(indices), self._rows):
         chunk = indices[start:start + self._rows]
-        prompt_BP = np.stack([prompts[i] for i in chunk] + [prompts[chunk[0]]] * (self._rows - len(chunk)))
-        tokens_BN, _ = self._samplers[length](weights, prompt_BP, jax.random.fold_in(jax.random.fold_in(key, length), start),
-                                              *sampling)
+        sampler, rows = self._sampler(length, len(chunk))
+        prompt_BP = np.stack([prompts[i] for i in chunk] + [prompts[chunk[0]]] * (rows - len(chunk)))
+        tokens_BN, _ = sampler(weights, prompt_BP, jax.random.fold_in(jax.random.fold_in(key, length), start),
+                               *sampling)
         for i, tokens_N in zip(chunk, jax.device_get(tokens_BN)):
           completions[i] = tokens_N
     return completions
