@@ -18,20 +18,15 @@ class RolloutStepper(LocalStepper):
     self._rollouts = Rollouts(config, layout, tokenizer)  # refuses bad prompts before the step compiles
     super().__init__(config, layout, state, train_split, val_split, stop)
 
-  def _sampled_batches(self):
-    """(step, batch, figures, seconds) for each step from the state's on, sampled when asked for."""
-    for step in range(int(self.state["step"]), self._config.steps):
-      began = time.perf_counter()
-      batch, figures = self._rollouts.batch(model_weights(self.layout, self.state), step)
-      yield step, batch, figures, time.perf_counter() - began
-
   def __enter__(self):
-    self._batches = self._sampled_batches()
+    self._batches = (step for step in range(int(self.state["step"]), self._config.steps))  # closed on exit
     return self
 
   def _next_batch(self):
-    step, batch, figures, seconds = next(self._batches)
-    return step, batch, figures, {"generation_seconds": seconds}
+    step = next(self._batches)
+    began = time.perf_counter()
+    batch, figures = self._rollouts.batch(model_weights(self.layout, self.state), step)
+    return step, batch, figures, {"generation_seconds": time.perf_counter() - began}
 
   def evaluate(self, done) -> float:
     return self._rollouts.evaluate(model_weights(self.layout, done.state))
