@@ -81,21 +81,22 @@ def completion_weights(mask_BT: np.ndarray, loss: str, max_new_tokens: int) -> n
   return weights_BT.astype(np.float32)
 
 
-def token_log_probs(layout, params, batch, temperature):
-  """(each position's log-probability of its target under `params`, float32 [B, T]; router statistics)."""
-  model = nnx.merge(layout.graphdef, params)
-  order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
+def _in_token_order(layout, batch):
+  """(`batch` in ring attention's zig-zag token order, that order's positions), or (`batch`, None) without the ring:
+  the model follows the positions, and the loss's mean cares for no order."""
+  length = next(iter(batch.values())).shape[1]
+  order_T = context.token_order(layout.context, length, layout.mesh.shape[SEQUENCE])
   if order_T is None:
-    return model.token_log_probs(batch["inputs"], batch["targets"], temperature=temperature)
-  # Ring attention's zig-zag order: every entry of the batch is taken in it, and the mean cares for no order.
-  return model.token_log_probs(batch["inputs"][:, order_T], batch["targets"][:, order_T], jnp.asarray(order_T),
-                               temperature)
+    return batch, None
+  return {name: entry_BT[:, order_T] for name, entry_BT in batch.items()}, jnp.asarray(order_T)
 
 
-def ordered(layout, batch):
-  """`batch` in the token order its log-probabilities come in (token_log_probs)."""
-  order_T = context.token_order(layout.context, batch["inputs"].shape[1], layout.mesh.shape[SEQUENCE])
-  return batch if order_T is None else {name: entry_BT[:, order_T] for name, entry_BT in batch.items()}
+def token_log_probs(layout, params, batch, temperature):
+  """(each position's log-probability of its target under `params`, float32 [B, T] in _in_token_order's order;
+  router statistics)."""
+  ordered, positions_T = _in_token_order(layout, {"inputs": batch["inputs"], "targets": batch["targets"]})
+  return nnx.merge(layout.graphdef, params).token_log_probs(ordered["inputs"], ordered["targets"], positions_T,
+                                                            temperature)
 
 
 def with_reference(layout, reference, batch):
@@ -112,7 +113,7 @@ def objective(layout, params, batch):
   settings_ = layout.grpo
   log_probs_BT, stats = token_log_probs(layout, params, batch, settings_.temperature)
   reference_BT = batch.get("reference_log_probs")  # in the log-probabilities' order already
-  batch = ordered(layout, {name: entry for name, entry in batch.items() if name != "reference_log_probs"})
+  batch, _ = _in_token_order(layout, {name: batch[name] for name in ("completion_weights", "advantages")})
   weights_BT = batch["completion_weights"]
   ratio_BT = jnp.exp(log_probs_BT - jax.lax.stop_gradient(log_probs_BT))  # 1, with the log-probability's gradient
   per_token_BT = -ratio_BT * batch["advantages"]

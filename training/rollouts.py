@@ -140,13 +140,13 @@ class Rollouts:
     count = len(self.prompts.ids)
     chosen = rng.choice(count, self._batch_size // group, replace=count < self._batch_size // group)
     rows = [i for i in chosen for _ in range(group)]  # prompt g's completions at rows g x group ...
+    prompts = [self.prompts.ids[i] for i in rows]
     key = jax.random.fold_in(jax.random.key(self._seed), step)
-    completions = self._complete(weights, [self.prompts.ids[i] for i in rows], key, self._sampling)
+    completions = self._complete(weights, prompts, key, self._sampling)
     texts, lengths_B = self._texts(completions)
     rewards_B = np.asarray(self._reward(texts, [self.prompts.answers[i] for i in rows]), np.float32)
     advantages_B = grpo.advantages(rewards_B, group, self._settings.scale_rewards)
-    entries = batch_entries([self.prompts.ids[i] for i in rows], completions, lengths_B, advantages_B,
-                            self._length, self._settings)
+    entries = batch_entries(prompts, completions, lengths_B, advantages_B, self._length, self._settings)
     sharding = self._layout.batch_sharding
     batch = {name: jax.make_array_from_callback(entry.shape, sharding, lambda index, entry=entry: entry[index])
              for name, entry in entries.items()}

@@ -57,7 +57,8 @@ def _pick(logits_BV, key, temperature, top_k, top_p):
   kth_B1 = jnp.where(top_k > 0, sorted_BV[:, jnp.clip(vocab - top_k, 0, vocab - 1)][:, None], -jnp.inf)
   scaled_BV = jnp.where(logits_BV >= kth_B1, logits_BV / jnp.maximum(temperature, 1e-6), -jnp.inf)
   # The nucleus: a token stays while the tokens more likely than it hold less than top_p of the probability.
-  descending_BV = -jnp.sort(-scaled_BV, axis=-1)
+  # Scaling keeps the logits' order, so the sort above serves, reversed.
+  descending_BV = jnp.where(sorted_BV >= kth_B1, sorted_BV / jnp.maximum(temperature, 1e-6), -jnp.inf)[:, ::-1]
   probs_BV = jax.nn.softmax(descending_BV, axis=-1)
   kept_B = jnp.maximum((jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p).sum(-1), 1)
   floor_B1 = jnp.where(top_p < 1, jnp.take_along_axis(descending_BV, kept_B[:, None] - 1, axis=-1), -jnp.inf)
