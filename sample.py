@@ -27,7 +27,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   # Imported after flag parsing, like train.py: jax reads its flags when first imported.
   from parallel.mesh import mesh_sizes
-  from training.sample import encode_prompt, from_checkpoint, generate
+  from run.saved_run import from_checkpoint
+  from training.sample import encode_prompt, generate
   try:
     mesh = mesh_sizes(_MESH.value) if _MESH.value else None
     config, layout, params, tokenizer, step = from_checkpoint(_WORKDIR.value, _STEP.value, mesh)

@@ -255,6 +255,7 @@ def base() -> ml_collections.ConfigDict:
   c.lora.rank = 0
   c.lora.alpha = 16.0  # the adapters' product is scaled by alpha / rank
   c.lora.targets = "attention"  # a comma list of attention, mlp, or kernels: qkv, q, k, v, out, up, gate, down
+  c.lora.frozen_dtype = "float32"  # bfloat16 stores the frozen matrices in half the bytes
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic

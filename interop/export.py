@@ -13,7 +13,7 @@ from interop import hf_checkpoint, peft_adapter
 from parallel.mesh import AXES
 from training import lora
 from training.checkpoint import Checkpoints
-from training.state import param_count, plan
+from training.state import base_params, param_count, plan
 from training.step import model_entries, model_weights
 
 
@@ -39,7 +39,8 @@ def export(workdir: str, output: str, step: int | None = None, dtype: str = "flo
     if adapter and not layout.lora:
       raise ValueError(f"step {step} of {workdir} holds no LoRA adapters (lora.rank=0); export its weights "
                        "without --adapter.")
-    entries = jax.device_get(checkpoints.restore_weights(step, model_entries(abstract)))
+    frozen = lambda: base_params(layout, hf_checkpoint.open_init_from(config.init_from), config.seed)
+    entries = jax.device_get(checkpoints.restore_weights(step, model_entries(abstract), frozen))
   finally:
     checkpoints.close()
   if adapter:

@@ -27,17 +27,24 @@ def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
   too, measure/step_time.py)."""
   run = run_of(run)
   zero, axis = run.sharding.zero, rules.fsdp_axis(run.sharding)
-  stored = lambda ws: sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.weight_rules(zero, axis)))
-                          for w in ws) * MASTER_BYTES
+  stored = lambda ws, width=lambda w: MASTER_BYTES: sum(
+      shard_elements(w, mesh, stored_table(run, mesh, w, rules.weight_rules(zero, axis))) * width(w) for w in ws)
   trained = trained_weights(run, weights)
   moments = sum(shard_elements(w, mesh, stored_table(run, mesh, w, rules.optimizer_rules(zero, axis))) * per_element
                 for w, per_element in zip(trained, optimizer_state_bytes(run, trained)))
   # Under LoRA the gradients are the adapted weights' (their merged update's backward) and the adapters'.
-  params = stored(weights) + (stored(trained) if run.lora else 0)
+  params = stored(weights, frozen_bytes(run)) + (stored(trained) if run.lora else 0)
   grads = stored([w for w in weights if adapted(run, w)] + trained) if run.lora else params
   # Accumulating micro-batches holds the running sum beside each micro-batch's gradients.
   held = {"params": params, "grads": grads * (2 if run.grad_accum > 1 else 1), "opt_state": moments}
   return {**held, "reference": params} if run.reference else held
+
+
+def frozen_bytes(run):
+  """Bytes per element of each weight as the state stores it: float32, but LoRA's frozen matrices in
+  lora.frozen_dtype (training/lora.py `frozen`)."""
+  narrow = run.lora is not None and run.lora.frozen_dtype == "bfloat16"
+  return lambda w: 2 if narrow and len(w.shape) >= 2 else MASTER_BYTES
 
 
 # The planner asks the same optimizer of the same weights on thousands of layouts.

@@ -35,6 +35,8 @@ class Recipe:
   target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
   versus: str = ""  # a field: the figure plots final validation loss against it, a line per other setting
   expert_balance: bool = False  # columns of how evenly the experts were chosen over the run's second half
+  # With several seeds, the cell the others are compared with (fields -> values it has); empty: the first cell.
+  baseline: dict = dataclasses.field(default_factory=dict)
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""

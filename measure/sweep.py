@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from configs import load
+from measure import seed_stats
 from measure.doc_blocks import replace_block
 from measure.recipes import Recipe
 from training.state import model_config
@@ -39,12 +40,12 @@ def parse_grid(entries: list[str]) -> tuple:
   return tuple(grid)
 
 
-def parse_set(entries: list[str]) -> dict:
+def parse_set(entries: list[str], flag: str = "--set") -> dict:
   fixed = {}
   for entry in entries:
     field, eq, value = entry.partition("=")
     if not field or not eq:
-      raise ValueError(f"--set {entry!r} is not field=value")
+      raise ValueError(f"{flag} {entry!r} is not field=value")
     fixed[field] = value
   return fixed
 
@@ -133,18 +134,52 @@ def expert_balance(workdir: Path) -> dict:
   return {"load CV": f"{variation:.3f}", "E x sum f P": f"{statistics.mean(r['moe_balance_loss'] for r in late):.3f}"}
 
 
-def write_tables(rows: list[dict], out: Path) -> str:
-  """results.csv and results.md in `out`; returns the markdown."""
+def write_tables(rows: list[dict], out: Path, name: str = "results") -> str:
+  """<name>.csv and <name>.md in `out`; returns the markdown."""
   header = list(rows[0])
-  with open(out / "results.csv", "w", newline="") as f:
+  with open(out / f"{name}.csv", "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=header)
     writer.writeheader()
     writer.writerows(rows)
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
   lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
   markdown = "\n".join(lines) + "\n"
-  (out / "results.md").write_text(markdown)
+  (out / f"{name}.md").write_text(markdown)
   return markdown
+
+
+def is_baseline(recipe: Recipe, fields: dict) -> bool:
+  """Whether a run's `fields` have every value recipe.baseline names (an empty baseline: the first cell's)."""
+  wanted = recipe.baseline or {k: v for k, v in recipe.runs()[0].items() if k != "seed"}
+  return all(str(fields.get(k)) == str(v) for k, v in wanted.items())
+
+
+def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[str]) -> list[dict]:
+  """One row per cell (a run's fields but its seed) over its seeds: the final validation loss's mean (the train
+  loss's where the runs are not evaluated) with its 95% confidence interval and standard deviation, and each
+  cell against the baseline cell seed by seed (measure/seed_stats.py): the difference with its interval, the
+  paired t-test's p-value, whether it is below 0.05, and the seeds an interval of this spread needs to exclude 0."""
+  metric = "final val loss" if all(row["final val loss"] for row in rows) else "final train loss"
+  cells = {}
+  for fields, row in zip(runs, rows):
+    key = tuple((k, fields[k]) for k in fields if k != "seed")
+    cells.setdefault(key, []).append(float(row[metric]))
+  base = next(key for key in cells if is_baseline(recipe, dict(key)))
+  table = []
+  for key, values in cells.items():
+    spread = seed_stats.cell(values)
+    row = {k: _shown(v, runs) for k, v in key if k in shown}
+    row.update({"seeds": spread.n, f"{metric}, mean ± 95% CI": f"{spread.mean:.4f} ± {spread.half_width:.4f}",
+                "sd": f"{spread.sd:.4f}"})
+    if key == base:
+      row.update({"vs baseline, ± 95% CI": "baseline", "p (paired t)": "", "p < 0.05": "", "seeds to resolve": ""})
+    else:
+      versus = seed_stats.paired(values, cells[base])
+      row.update({"vs baseline, ± 95% CI": f"{versus.difference:+.4f} ± {versus.half_width:.4f}",
+                  "p (paired t)": f"{versus.p:.3g}", "p < 0.05": "yes" if versus.significant else "no",
+                  "seeds to resolve": versus.seeds_needed or f"> {seed_stats.MAX_SEEDS}"})
+    table.append(row)
+  return table
 
 
 def _axes():
@@ -226,6 +261,9 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
                  **(expert_balance(workdir) if recipe.expert_balance else {})})
     curves.append((label, workdir))
   markdown = write_tables(rows, out)
+  if len(recipe.seeds) > 1 and not failed:
+    markdown += "\n" + write_tables(seeded_rows(recipe, runs, rows, [k for k in varied if k != "seed"]), out,
+                                     "results_by_cell")
   if recipe.versus:
     plot_versus(rows, varied, recipe.versus, recipe.name, figure or out / "loss.png")
   else:
@@ -254,6 +292,11 @@ def check_runs(recipe: Recipe, out: Path) -> None:
   """Each run's settings checked as train.py checks them, before any run starts: a misspelt field or
   a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
   for the run itself, which sees its own devices."""
+  cells = {tuple(sorted((k, str(v)) for k, v in fields.items() if k != "seed"))
+           for fields in recipe.runs() if is_baseline(recipe, fields)}
+  if len(cells) != 1:
+    raise ValueError(f"baseline {recipe.baseline} matches {len(cells) or 'no'} cells of {recipe.name!r}; name "
+                     "field=value pairs that one cell of the grid has, and only it.")
   for fields in recipe.runs():
     config = load.set_fields(load.load(recipe.config), {"workdir": str(out / run_name(fields))})  # as `sweep` gives each run its own
     try:

@@ -7,7 +7,7 @@ import jax
 
 from run.console import log
 from training.checkpoint import Checkpoints, cast_like
-from training.state import abstract_inputs, init_state, state_from_params
+from training.state import abstract_inputs, base_params, state_from_params
 from training.step import all_finite
 
 
@@ -39,31 +39,32 @@ def start_state(config, layout, checkpoints: Checkpoints, branch: tuple[Checkpoi
   else a fresh state. Another run's checkpoint is refused before its step is measured; `origin` names
   where the run's tokens come from, `ledger` gets the time of a restore."""
   start, (branch, branch_step) = _resume_step(checkpoints, config.resume), branch
+  frozen = lambda: base_params(layout, pretrained, config.seed)  # what LoRA's checkpoints leave out
   if start is not None:
     checkpoints.check_same_run(start, config)
     checkpoints.check_tokenizer(start, origin)
     _check_not_past(start, config.steps, checkpoints)
     with ledger.timing("checkpoint_restore"):
-      state = restore_good(checkpoints, start, abstract_inputs(layout, config)[0])
+      state = restore_good(checkpoints, start, abstract_inputs(layout, config)[0], frozen)
     log(f"resuming from step {start} in {checkpoints.directory}")
   elif branch is not None:
     _check_not_past(branch_step, config.steps, branch)
     branch.check_tokenizer(branch_step, origin)
     with ledger.timing("checkpoint_restore"):
-      state = restore_good(branch, branch_step, abstract_inputs(layout, config)[0], set_aside=False)
+      state = restore_good(branch, branch_step, abstract_inputs(layout, config)[0], frozen, set_aside=False)
     log(f"branching from step {branch_step} in {branch.directory}, which is left as it is")
-  elif pretrained is not None:
-    log(f"initialising from {pretrained.describe(layout.model)}")
-    state = state_from_params(layout, pretrained.load_params(layout), config.seed)
   else:
-    state = init_state(layout, config.seed)
+    if pretrained is not None:
+      log(f"initialising from {pretrained.describe(layout.model)}")
+    state = state_from_params(layout, frozen(), config.seed)
   return start, state
 
 
-def restore_good(checkpoints: Checkpoints, step: int, abstract_state, set_aside: bool = True):
-  """Restores `step`, refusing a damaged one; later checkpoints (another timeline) are set aside, unless
-  the checkpoints are another run's (`set_aside` False: a branch leaves its source as it is)."""
-  state = checkpoints.restore(step, abstract_state)
+def restore_good(checkpoints: Checkpoints, step: int, abstract_state, frozen=None, set_aside: bool = True):
+  """Restores `step` (`frozen` gives a LoRA checkpoint's frozen weights), refusing a damaged one; later
+  checkpoints (another timeline) are set aside, unless the checkpoints are another run's (`set_aside` False: a
+  branch leaves its source as it is)."""
+  state = checkpoints.restore(step, abstract_state, frozen)
   changed = checkpoints.changed_leaf(step, state)  # bytes damaged into values that may well be finite
   damage = (f"has changed since it was saved ({changed} does not match its fingerprint)" if changed else
             None if bool(jax.jit(all_finite)(state)) else "holds non-finite values")

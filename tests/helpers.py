@@ -314,3 +314,16 @@ def assert_hf_gradients_close(ours: dict, expected) -> None:
     theirs = expected[f"grad:{name}"]
     np.testing.assert_allclose(ours[name].reshape(theirs.shape), theirs, rtol=0,
                                atol=1e-5 * np.abs(theirs).max(), err_msg=name)
+
+
+def markdown_tables(markdown: str) -> list[list[dict]]:
+  """Each markdown table in `markdown` (tables are separated by any line that is not a table row), as its rows'
+  {column: cell} dicts."""
+  tables, lines = [], []
+  for line in [*markdown.splitlines(), ""]:
+    if line.startswith("|"):
+      lines.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    elif lines:
+      tables.append([dict(zip(lines[0], row)) for row in lines[2:]])
+      lines = []
+  return tables

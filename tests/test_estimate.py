@@ -69,6 +69,8 @@ LAYOUTS = {
     # LoRA (training/lora.py): the adapted kernels' gradients reduced as a weight's, the others' none; under ZeRO the
     # factor without `embed` sums its own over `data`; moments for the factors alone.
     "lora, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "lora.rank": 4, "lora.targets": "attention,mlp"},
+    "lora, bfloat16 base, data=4 x tensor=2": {"mesh.data": 4, "mesh.tensor": 2, "lora.rank": 4,
+                                               "lora.targets": "attention,mlp", "lora.frozen_dtype": "bfloat16"},
     "lora, fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "lora.rank": 4, "lora.targets": "attention,mlp"},
     "muon fsdp data=8": {"mesh.data": 8, "sharding.zero": 3, "optimizer.name": "muon"},
     "muon gathered, data=2 x tensor=4": {"mesh.data": 2, "mesh.tensor": 4, "optimizer.name": "muon",

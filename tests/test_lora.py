@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_tree_close, batch_at, pair_chunks, run_reference, setup, tiny_config, train_steps
+from helpers import (assert_tree_close, batch_at, pair_chunks, read_metrics, run_reference, setup, tiny_config,
+                     train_steps)
 from input_pipeline import data, token_files
 from interop.export import export
 from model.placement import placed
 from parallel import placement
 from run.loop import train
 from training import lora
-from training.sample import from_checkpoint
+from training.checkpoint import Checkpoints
+from run.saved_run import from_checkpoint
 from training.state import plan, trained_count
 from training.step import loss_fn, make_train_step, model_weights
 from training.validate import check_run
@@ -93,11 +95,46 @@ def test_expert_adapters_train_as_on_one_device():
   assert_tree_close(adapters, expected, "expert adapters on data x expert", ADAPTER_TOLERANCE)
 
 
+def test_a_bfloat16_base_halves_the_frozen_matrices_and_trains_as_on_one_device():
+  narrow = {"lora.frozen_dtype": "bfloat16"}
+  config, layout, state, batch = setup({**ADAPTED, **narrow, "mesh.data": 1}, jax.devices()[:1])
+  dtypes = {x.ndim >= 2: x.dtype for x in jax.tree.leaves(state["params"])}
+  assert dtypes == {True: jax.numpy.bfloat16, False: np.float32}  # matrices narrowed, norm scales and biases not
+  assert {x.dtype for x in jax.tree.leaves(state[lora.ADAPTERS])} == {np.dtype(np.float32)}
+  # The run starts at exactly the base model rounded to bfloat16.
+  base_layout = plan(tiny_config(**{"mesh.data": 1}), jax.devices()[:1])
+  rounded = jax.tree.map(lambda p: p.astype(np.float32), state["params"])
+  at_start = jax.jit(lambda s, b: loss_fn(layout, model_weights(layout, s), b))(state, batch)
+  assert float(at_start) == float(jax.jit(lambda p, b: loss_fn(base_layout, p, b))(rounded, batch))
+  _, expected, _ = adapters_after_steps({**narrow, "mesh.data": 1}, jax.devices()[:1])
+  _, adapters, _ = adapters_after_steps({**narrow, "mesh.data": 4, "mesh.tensor": 2}, jax.devices())
+  assert_tree_close(adapters, expected, "adapters on a bfloat16 base, data x tensor", ADAPTER_TOLERANCE)
+
+
+def test_a_lora_checkpoint_leaves_out_the_frozen_weights_and_resumes_exactly(tmp_path):
+  workdir = str(tmp_path / "run")
+  overrides = {**ADAPTED, "workdir": workdir, "steps": 4, "checkpoint.every": 2, "eval_every": 0,
+               "sample_tokens": 0, "mesh.data": 4, "mesh.tensor": 2}
+  train(tiny_config(**overrides))
+  checkpoints = Checkpoints(workdir, every=0, keep=None)
+  held = checkpoints._manager.item_metadata(4)["state"]  # pylint: disable=protected-access
+  checkpoints.close()
+  assert lora.ADAPTERS in held and "params" not in held
+  last = lambda: [(r["loss"], r["grad_norm"]) for r in read_metrics(workdir) if r.get("step") == 4 and "loss" in r]
+  straight = last()
+  train(tiny_config(**overrides, resume="2"))  # the frozen weights drawn again from the seed, checked, and step 4 redone
+  assert len(straight) == 1 and last() == straight
+  with pytest.raises(ValueError, match=r"holds LoRA adapters trained on other frozen weights than the ones given"):
+    train(tiny_config(**{**overrides, "seed": 1}, resume="2"))
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"lora.targets": "attention,ffn"}, r"lora.targets='attention,ffn' names \['ffn'\]"),
     ({"lora.alpha": 0.0}, r"lora.alpha=0.0 must be a finite number > 0"),
     ({"mesh.pipeline": 2}, r"lora.rank=4 with mesh.pipeline=2"),
     ({"moe.bias_rate": 0.01}, r"lora.rank=4 with moe.bias_rate=0.01"),
+    ({"lora.frozen_dtype": "int4"}, r"lora.frozen_dtype='int4' is not one of float32, bfloat16"),
+    ({"lora.rank": 0, "lora.frozen_dtype": "bfloat16"}, r"lora.frozen_dtype='bfloat16' with lora.rank=0 freezes"),
 ])
 def test_bad_lora_settings_are_refused_in_one_sentence(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):

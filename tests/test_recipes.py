@@ -10,7 +10,7 @@ REGENERATE (docs/research.md, "The recipes").
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, markdown_tables
 from measure import sweep
 from measure.recipes import RECIPES
 
@@ -20,13 +20,6 @@ REGENERATE = "rm -rf runs/docs && python tools/sweep.py --recipe=all --write=doc
 RECIPE, ROW = "batch_vs_accumulation", {"batch_size": 4, "grad_accum": 1}
 LOSSES = ("final train loss", "final val loss")
 LOSS_TOLERANCE = 1e-3  # another CPU model's float32 rounding, not a change in training
-
-
-def table_rows(markdown: str) -> list[dict]:
-  """The rows of the markdown table in `markdown` as {column: cell} dicts; [] when it holds none."""
-  lines = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-           for line in markdown.splitlines() if line.startswith("|")]
-  return [dict(zip(lines[0], row)) for row in lines[2:]]
 
 
 def committed(name: str) -> str:
@@ -44,7 +37,7 @@ def page_block(name: str) -> str:
 
 def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
   recipe = RECIPES[RECIPE]
-  rows = [r for r in table_rows(committed(RECIPE)) if all(r[k] == str(v) for k, v in ROW.items())]
+  rows = [r for r in markdown_tables(committed(RECIPE))[0] if all(r[k] == str(v) for k, v in ROW.items())]
   assert rows, f"docs/{RECIPE}.md has no {ROW} row; regenerate the tables: {REGENERATE}"
   fields = next(f for f in recipe.runs() if ROW.items() <= f.items())
   # The tables come from a shell without conftest's XLA optimisation level, which may round differently.
@@ -60,6 +53,6 @@ def test_one_row_reruns_to_the_committed_losses(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_research_page_holds_the_committed_table(name):
-  rows = table_rows(committed(name))
-  assert rows and table_rows(page_block(name)) == rows, (
+  tables = markdown_tables(committed(name))
+  assert tables and tables[0] and markdown_tables(page_block(name)) == tables, (
       f"docs/research.md's {name} block is not docs/{name}.md's table; regenerate: {REGENERATE}")

@@ -45,7 +45,7 @@ def main(argv):
   from interop.harness import MeshlmLM, from_hf, split_perplexity  # pylint: disable=import-outside-toplevel
   from interop.harness_tasks import evaluate, task_manager  # pylint: disable=import-outside-toplevel
   from parallel.mesh import mesh_sizes  # pylint: disable=import-outside-toplevel
-  from training.sample import from_checkpoint  # pylint: disable=import-outside-toplevel
+  from run.saved_run import from_checkpoint  # pylint: disable=import-outside-toplevel
   from training.step import make_eval_step  # pylint: disable=import-outside-toplevel
   try:
     if (_WORKDIR.value is None) == (_INIT_FROM.value is None):

@@ -2,6 +2,8 @@
 
   python tools/sweep.py --recipe adamw_vs_l2                       # a recipe from measure/recipes.py
   python tools/sweep.py --grid optimizer.name=adamw,adam_l2 --grid schedule.warmup_steps=0,200 --seeds 0,1
+  python tools/sweep.py --recipe adamw_vs_l2 --seeds=5 --baseline=optimizer.name=adamw \
+      --baseline=optimizer.weight_decay=0.1                       # 95% intervals, paired tests against that cell
   python tools/sweep.py --recipe schedule --set steps=40 --out runs/sweeps/quick
   python tools/sweep.py --recipe all --write docs             # docs/research.md's tables, docs/*.md and docs/*.png
 
@@ -11,7 +13,8 @@ sweep over layouts. A run directory remembers the command that made it; a
 finished run is skipped, an interrupted one resumes from its checkpoint, so
 running the same sweep again picks up where it stopped. At the end
 `<out>/results.md`, `<out>/results.csv` and the loss curves `<out>/loss.png`
-(or `--figure`) hold every run. `--write DIR` also puts each recipe's table in
+(or `--figure`) hold every run; with several seeds `<out>/results_by_cell.md` and `.csv` hold each cell over its
+seeds (measure/sweep.py `seeded_rows`). `--write DIR` also puts each recipe's table in
 DIR/<recipe>.md, its figure in DIR/<recipe>.png, and the same table and figure
 between docs/research.md's `<!-- recipe:NAME -->` markers (or --page's): those
 tables are this tool's output, never edited by hand.
@@ -32,7 +35,10 @@ _RECIPE = flags.DEFINE_enum("recipe", None, [*RECIPES, "all"], "A recipe from me
 _CONFIG = flags.DEFINE_string("config", "configs/gpt2.py:tiny", "Base config and variant (without --recipe).")
 _GRID = flags.DEFINE_multi_string("grid", [], "field=v1,v2,...: one axis of the grid (repeat for more).")
 _SET = flags.DEFINE_multi_string("set", [], "field=value for every run (repeat for more).")
-_SEEDS = flags.DEFINE_list("seeds", [], "Seeds, each a run of every grid point.")
+_SEEDS = flags.DEFINE_list("seeds", [], "N (seeds 0 to N-1) or a comma list of seeds, each a run of every grid "
+                           "point; with several, a table per cell of means, 95% intervals and paired tests.")
+_BASELINE = flags.DEFINE_multi_string("baseline", [], "field=value naming the cell the others are compared with "
+                                      "(repeat for more fields); default the first cell.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
 _OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<recipe or 'sweep'> (with "
                            "--write, runs/docs/<recipe>). With --recipe=all, the folder of one per recipe.")
@@ -53,8 +59,14 @@ def recipes_from_flags() -> list[Recipe]:
     changes.update(grid=parse_grid(_GRID.value), cases=())
   if _SEEDS.value:
     if not all(re.fullmatch(r"-?\d+", s) for s in _SEEDS.value):
-      raise ValueError(f"--seeds={','.join(_SEEDS.value)} is not a list of integers, e.g. --seeds=0,1,2")
-    changes["seeds"] = tuple(int(s) for s in _SEEDS.value)
+      raise ValueError(f"--seeds={','.join(_SEEDS.value)} is not a count or a list of integers, e.g. --seeds=5 "
+                       "or --seeds=0,1,2")
+    seeds = tuple(int(s) for s in _SEEDS.value)
+    if len(seeds) == 1 and seeds[0] < 1:
+      raise ValueError(f"--seeds={seeds[0]} runs no seed; give a count of at least 1 (seeds 0 to N-1) or a list.")
+    changes["seeds"] = tuple(range(seeds[0])) if len(seeds) == 1 else seeds
+  if _BASELINE.value:
+    changes["baseline"] = parse_set(_BASELINE.value, "--baseline")
   if _DEVICES.value is not None:
     if _DEVICES.value < 1:
       raise ValueError(f"--devices={_DEVICES.value} must be at least 1 (simulated CPU devices per run).")
@@ -71,7 +83,7 @@ def sweep_dir(recipe: Recipe) -> Path:
 
 def check_write(recipes: list[Recipe]) -> None:
   """Refuse --write where the docs would not be a recipe's, before any run starts (not after an hour)."""
-  if not _RECIPE.value or _GRID.value or _SEEDS.value or _DEVICES.value or _FIGURE.value:
+  if not _RECIPE.value or _GRID.value or _SEEDS.value or _BASELINE.value or _DEVICES.value or _FIGURE.value:
     raise ValueError("--write takes --recipe (a name or all) and --set only: the docs hold the recipes' runs, "
                      "and each figure goes to <folder>/<recipe>.png.")
   page = Path(_PAGE.value).read_text()

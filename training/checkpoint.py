@@ -4,6 +4,9 @@ A checkpoint holds the whole train state (params, optimizer state, step, the
 count of skipped non-finite updates), the config as JSON, a fingerprint of
 each state leaf (training/fingerprint.py) that a restore checks the bytes
 against, and the tokenizer its text went through, which a resume compares.
+A LoRA run's holds its adapters and their moments but not the frozen weights,
+which never change: a restore is given them (where the run started from) and
+checks them against their saved fingerprints.
 Data needs no iterator state: batch `s` is a pure function of (seed, s), and
 the seed is in the config. Orbax writes each step into a temporary folder and
 renames it when complete, so a run killed mid-save leaves the previous
@@ -23,8 +26,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from input_pipeline.tokenizer import HfTokenizer
-from training import schedule_free
+from training import lora, schedule_free
 from training.fingerprint import fingerprints
+
+
+FROZEN = "params"  # under LoRA, the weights that never change: left out of a checkpoint
 
 
 class Checkpoints:
@@ -97,12 +103,14 @@ class Checkpoints:
     if not due or step in self._manager.all_steps():
       return
     self.directory.mkdir(parents=True, exist_ok=True)
+    full, state = state, _kept(state)
     self._state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     # Orbax also raises an earlier async save's error here; the fingerprints of a state sharded over
-    # processes are sums across them, which a lost process fails too.
+    # processes are sums across them, which a lost process fails too. The frozen weights' are saved too: a
+    # restore checks against them the weights it is given.
     with self._reporting_failed_saves():
       items = {"state": ocp.args.StandardSave(self._savable(state)), "config": ocp.args.JsonSave(config.to_dict()),
-               "fingerprints": ocp.args.JsonSave(_named_fingerprints(state))}
+               "fingerprints": ocp.args.JsonSave(_named_fingerprints(full))}
       if self._tokenizer is not None:
         items["tokenizer"] = ocp.args.JsonSave(self._tokenizer)
       if self._data is not None:
@@ -156,10 +164,11 @@ class Checkpoints:
     self.save(step, state, config, force=True)
     self.wait()
 
-  def restore(self, step: int, abstract_state):
+  def restore(self, step: int, abstract_state, frozen=None):
     """The state at `step`, laid out by the shardings in `abstract_state` (any mesh), in the dtypes it
     was saved in: its fingerprints check the bytes on disk, so a dtype the config has changed since
-    (precision.moments) is the caller's to apply, after that check (`cast_like`)."""
+    (precision.moments) is the caller's to apply, after that check (`cast_like`). A LoRA checkpoint's
+    frozen weights are what `frozen()` gives (training/state.py's base_params), checked here."""
     # Orbax reads a state without its metadata file as no state at all, which would read as another model.
     folder = self.directory / str(step)
     lost = next((name for name in ("state", "state/_METADATA") if not (folder / name).exists()), None)
@@ -167,13 +176,35 @@ class Checkpoints:
       raise ValueError(f"checkpoint step {step} in {self.directory} has lost {lost}, so it is damaged; it was "
                        f"left untouched: resume from an earlier one with {self.resume_before(step)}.")
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
-    _check_same_shapes(stored, abstract_state, f"checkpoint step {step} in {self.directory}")
+    wanted = self._on_disk(step, abstract_state)
+    _check_same_shapes(stored, wanted, f"checkpoint step {step} in {self.directory}")
     saved_dtypes = {name: leaf.dtype for name, leaf in _leaves_by_name(stored).items()}
     as_saved = jax.tree_util.tree_map_with_path(
         lambda path, want: jax.ShapeDtypeStruct(want.shape, saved_dtypes[_path_name(path)], sharding=want.sharding),
-        abstract_state)
-    return self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+        wanted)
+    state = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(as_saved)))["state"])
+    return state if wanted is abstract_state else self._with_frozen(step, state, frozen)
+
+  def _on_disk(self, step: int, abstract: dict) -> dict:
+    """The entries of `abstract` that checkpoint `step` holds: all but a LoRA run's frozen weights (the params),
+    which a checkpoint written since they were left out lacks."""
+    stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
+    return abstract if FROZEN in stored or FROZEN not in abstract else {k: v for k, v in abstract.items() if k != FROZEN}
+
+  def _with_frozen(self, step: int, restored: dict, frozen) -> dict:
+    """`restored` (a LoRA checkpoint's entries) with the frozen weights `frozen()` gives, refused in one line
+    unless they are the ones the adapters were trained on."""
+    if frozen is None:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds LoRA adapters without the frozen weights "
+                       "they adapt, and this reader was given none; pass frozen=base_params (training/state.py).")
+    params = frozen()
+    changed = self.changed_leaf(step, {FROZEN: params})
+    if changed:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds LoRA adapters trained on other frozen "
+                       f"weights than the ones given ({changed} differs from its fingerprint); start from the "
+                       "init_from, seed and lora.frozen_dtype it was trained with.")
+    return {**restored, FROZEN: params}
 
   def stored_config(self, step: int) -> dict:
     """The run config saved with `step`, as a plain dict."""
@@ -218,10 +249,11 @@ class Checkpoints:
     """Only the params of `step` (no optimizer state), laid out by the shardings in `abstract_params`."""
     return self.restore_weights(step, {"params": abstract_params})["params"]
 
-  def restore_weights(self, step: int, abstract: dict) -> dict:
+  def restore_weights(self, step: int, abstract: dict, frozen=None) -> dict:
     """Only the entries of the state of `step` that `abstract` names (the params, LoRA's adapters: no optimizer
-    state), laid out by its shardings."""
-    args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+    state), laid out by its shardings; a LoRA checkpoint's frozen weights are what `frozen()` gives."""
+    wanted = self._on_disk(step, abstract)
+    args = ocp.args.PyTreeRestore(item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
                                   partial_restore=True)
     weights = self._read(step, lambda: ocp.PyTreeCheckpointer().restore(self.directory / str(step) / "state",
                                                                          args=args))
@@ -229,7 +261,7 @@ class Checkpoints:
     if changed:
       raise ValueError(f"checkpoint step {step} in {self.directory} has changed since it was saved "
                        f"({changed} does not match its fingerprint); it was left untouched: use another step.")
-    return weights
+    return weights if wanted is abstract else self._with_frozen(step, weights, frozen)
 
   def changed_leaf(self, step: int, restored) -> str | None:
     """The first leaf of `restored` (all or part of the state of `step`) whose fingerprint differs
@@ -341,6 +373,11 @@ def _written_with_a_first_moment(where: str, extra: list[str]) -> str:
           "restore; resume it with a checkout from before c25a3c0 (git checkout c25a3c0~1), or export its "
           "weights with tools/export.py and start from them with --config.init_from=hf:<that directory> in "
           "another --config.workdir.")
+
+
+def _kept(state: dict) -> dict:
+  """What a checkpoint holds of `state`: all of it, but a LoRA run's frozen weights (the params beside adapters)."""
+  return {k: v for k, v in state.items() if k != FROZEN} if lora.ADAPTERS in state else state
 
 
 def _weights_first(names) -> list[str]:

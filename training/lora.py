@@ -25,6 +25,7 @@ KERNELS = tuple(name for names in GROUPS.values() for name in names)
 LEAD_AXES = ("layers", "expert")  # axes a factor keeps whole: one adapter per layer and per expert
 ADAPTERS = "adapters"
 A, B = "a_kernel", "b_kernel"  # each adapted kernel's factors (kernels by name: weight decay applies)
+FROZEN_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Lora:
   rank: int
   alpha: float
   kernels: tuple[str, ...]
+  frozen_dtype: str = "float32"  # the frozen matrices' dtype (vectors stay float32)
 
   @property
   def scale(self) -> float:
@@ -49,7 +51,18 @@ def settings(config) -> Lora | None:
     raise ValueError(f"lora.targets={config.lora.targets!r} names {unknown or 'nothing'}; give a comma list of "
                      f"{', '.join(GROUPS)} or kernels ({', '.join(KERNELS)}).")
   kernels = tuple(dict.fromkeys(k for name in names for k in GROUPS.get(name, (name,))))
-  return Lora(rank=config.lora.rank, alpha=float(config.lora.alpha), kernels=kernels)
+  if config.lora.frozen_dtype not in FROZEN_DTYPES:
+    raise ValueError(f"lora.frozen_dtype={config.lora.frozen_dtype!r} is not one of {', '.join(FROZEN_DTYPES)}; "
+                     "bfloat16 halves the frozen weights' memory.")
+  return Lora(rank=config.lora.rank, alpha=float(config.lora.alpha), kernels=kernels,
+              frozen_dtype=config.lora.frozen_dtype)
+
+
+def frozen(lora: Lora, params: dict) -> dict:
+  """The frozen parameters' ShapeDtypeStructs: matrices (kernels, embeddings) in `lora.frozen_dtype`, vectors (norm
+  scales, biases: a small part of the bytes) kept in float32, as QLoRA keeps them."""
+  narrow = lambda p: jax.ShapeDtypeStruct(p.shape, lora.frozen_dtype) if p.ndim >= 2 else p
+  return jax.tree.map(narrow, params)
 
 
 def split_axes(axes: tuple) -> tuple[int, int] | None:
@@ -109,8 +122,9 @@ def abstract_adapters(lora: Lora, params: dict, logical: dict) -> tuple[dict, di
   for path, (lead, inputs) in targeted(lora, logical).items():
     kernel, axes = _leaf(params, path), tuple(_leaf(logical, path))
     cut = lead + inputs
-    shapes[path] = {A: jax.ShapeDtypeStruct((*kernel.shape[:cut], lora.rank), kernel.dtype),
-                    B: jax.ShapeDtypeStruct((*kernel.shape[:lead], lora.rank, *kernel.shape[cut:]), kernel.dtype)}
+    # float32 whatever the frozen base's dtype: the adapters are the trained (master) weights
+    shapes[path] = {A: jax.ShapeDtypeStruct((*kernel.shape[:cut], lora.rank), jnp.float32),
+                    B: jax.ShapeDtypeStruct((*kernel.shape[:lead], lora.rank, *kernel.shape[cut:]), jnp.float32)}
     specs[path] = {A: P(*axes[:cut], None), B: P(*axes[:lead], None, *axes[cut:])}
   return _nest(shapes), _nest(specs)
 
@@ -129,7 +143,8 @@ def initial(lora: Lora, params: dict, logical: dict, seed: int) -> dict:
 
 
 def merged(lora: Lora, params: dict, adapters: dict) -> dict:
-  """`params` with each adapted kernel W replaced by W + scale x A B (added in W's dtype)."""
+  """`params` with each adapted kernel W replaced by W + scale x A B, in the adapters' dtype (a bfloat16 W is
+  widened: the sum keeps the adapters' small updates)."""
   def merge(path, w):
     try:
       pair = _leaf(adapters, _keys(path))
@@ -142,5 +157,5 @@ def merged(lora: Lora, params: dict, adapters: dict) -> dict:
     leading, inputs, outputs = ("".join(next(names) for _ in range(n))
                                 for n in (lead, a.ndim - 1 - lead, b.ndim - 1 - lead))
     product = jnp.einsum(f"{leading}{inputs}r,{leading}r{outputs}->{leading}{inputs}{outputs}", a, b)
-    return w + (lora.scale * product).astype(w.dtype)
+    return w.astype(a.dtype) + lora.scale * product
   return jax.tree_util.tree_map_with_path(merge, params)

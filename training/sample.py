@@ -12,16 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import load
-from input_pipeline import data
-from input_pipeline.tokenizer import run_tokenizer
 from model.kv_cache import forward_cached, init_cache
 from model.placement import placed
 from parallel import placement, rules
 from parallel.mesh import DATA, EXPERT
-from training.checkpoint import Checkpoints
-from training.state import Layout, abstract_inputs, plan
-from training.step import model_entries, model_weights
+from training.state import Layout
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -122,26 +117,3 @@ def generate(layout: Layout, params, prompt_ids, *, num_tokens: int, temperature
   if keep_logits:
     return tokens_BN[:num_samples], logits_BNV[:num_samples]
   return tokens_BN[:num_samples]
-
-
-def from_checkpoint(workdir: str, step: int = -1, mesh_sizes: dict | None = None, compute: str | None = None):
-  """(config, layout, params, tokenizer, step) of a saved run, on `mesh_sizes` or the run's own mesh, computing
-  in `compute` or the run's own precision."""
-  checkpoints = Checkpoints(workdir, every=0, keep=None)
-  try:
-    steps = checkpoints.steps()
-    if not steps:
-      raise ValueError(f"{checkpoints.directory} holds no checkpoint; train with --config.workdir={workdir} first.")
-    step = steps[-1] if step == -1 else step
-    if step not in steps:
-      raise ValueError(f"{checkpoints.directory} holds steps {steps}, not {step}.")
-    config = load.restored(checkpoints.stored_config(step),
-                           {**{f"mesh.{axis}": size for axis, size in (mesh_sizes or {}).items()},
-                            **({"precision.compute": compute} if compute else {})})
-    layout = plan(config)
-    state = abstract_inputs(layout, config)[0]
-    params = model_weights(layout, checkpoints.restore_weights(step, model_entries(state)))
-  finally:
-    checkpoints.close()
-  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
-  return config, layout, params, run_tokenizer(config.init_from, split.tokenizer, split.origin), step

@@ -136,6 +136,7 @@ def plan(config, devices=None) -> Layout:
   abstract_state = {"step": counter, "params": params_abstract, "opt_state": opt_abstract,
                     "skipped": counter}
   if adapters:
+    abstract_state["params"] = lora.frozen(adapters, params_abstract)
     abstract_state[lora.ADAPTERS] = trained
     state_shardings[lora.ADAPTERS] = rules.shardings(trained_logical, mesh, rules.weight_rules(zero, axis))
   if preference.keeps_reference(config) and not adapters:  # the frozen weights the policy is compared with
@@ -173,13 +174,25 @@ def _moment_leaves(opt_state, params, moment_shardings, other):
 
 def init_state(layout: Layout, seed: int) -> dict:
   """Fresh parameters and optimizer state, created directly in their shardings."""
+  return state_from_params(layout, initial_params(layout, seed), seed)
+
+
+def initial_params(layout: Layout, seed: int) -> dict:
+  """Fresh parameters drawn from `seed` (in the state's dtypes: LoRA's frozen base may be narrower), created
+  directly in their shardings."""
 
   def init():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
-    return _first_state(layout, params, seed)
+    return jax.tree.map(lambda p, want: p.astype(want.dtype), params, layout.abstract_state["params"])
 
-  return jax.jit(init, out_shardings=layout.state_shardings)()
+  return jax.jit(init, out_shardings=layout.param_shardings)()
+
+
+def base_params(layout: Layout, pretrained, seed: int) -> dict:
+  """The weights a run starts from: `pretrained`'s (an opened init_from checkpoint, or None) or fresh ones drawn
+  from `seed`. A LoRA checkpoint leaves them out (they never change), and is restored with them."""
+  return pretrained.load_params(layout) if pretrained is not None else initial_params(layout, seed)
 
 
 def state_from_params(layout: Layout, params: dict, seed: int = 0) -> dict:

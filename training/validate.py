@@ -193,6 +193,9 @@ def _check_lora(config) -> None:
   """Refuses LoRA settings the run cannot train (training/lora.py)."""
   _at_least(config, "lora.rank", 0, " (0 trains every weight)")
   if not config.lora.rank:
+    if config.lora.frozen_dtype != "float32":
+      raise ValueError(f"lora.frozen_dtype={config.lora.frozen_dtype!r} with lora.rank=0 freezes nothing; give "
+                       "lora.rank > 0 to train adapters on a frozen base, or leave frozen_dtype at float32.")
     return
   _finite_non_negative(config, "lora.alpha", "the adapters' product is scaled by alpha / rank; 16 is usual",
                        zero=False)
