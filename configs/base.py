@@ -92,6 +92,8 @@ def base() -> ml_collections.ConfigDict:
   c.model.attention_block = 512  # xla attention: positions per query/key block; memory is linear in T
   c.model.sliding_window = 0  # W > 0: each query sees the W latest positions up to its own (Mistral); 0: all
   c.model.attention_softcap = 0.0  # C > 0: attention scores s soft-capped to C tanh(s / C) (Gemma 2: 50.0); 0: off
+  c.model.activation = ""  # the MLP's: "" the family's own (gpt2 gelu, llama silu) | gelu | silu | relu2 (ReLU^2)
+  c.model.zero_init_out = False  # True: attention output and MLP down projections start at zero (modded-nanogpt)
   c.model.logit_softcap = 0.0  # C > 0: output logits z soft-capped to C tanh(z / C) (Gemma 2: 30.0); 0: off
   # D > 0: D multi-token prediction modules after the stack, the k-th predicting token i+k+1 (DeepSeek-V3: 1);
   # their mean cross-entropy joins the objective at mtp_weight (DeepSeek-V3: 0.3); 0: next token only
@@ -259,6 +261,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "builtin"  # builtin | tokens | synthetic
+  c.data.seed = -1  # the batches' order (input_pipeline/data.py data_seed); -1: `seed`, which also draws the weights
   c.data.path = ""  # for `tokens`: a folder written by tools/prepare.py
   c.data.segments = False  # packed documents: attention stops at the tokenizer's end-of-text (model.document_end)
   c.data.prefetch = 2  # batches built ahead on a background thread

@@ -32,6 +32,12 @@ class TokenSplit:
   pairs: np.ndarray | None = None  # preference pairs: each one's token offsets, int64 [pairs, 3] (token_files.py)
 
 
+def data_seed(config) -> int:
+  """The seed of the data's order (the batches, the evaluation's, GRPO's prompts): data.seed, or where it is
+  negative the run's seed, which then sets the initial weights and the data alike."""
+  return config.seed if config.data.seed < 0 else config.data.seed
+
+
 def open_split(data_config, split: str, *, vocab_size: int) -> TokenSplit:
   """Opens `split` of data_config's source; `vocab_size` is config.model.vocab_size."""
   if split not in SPLITS:

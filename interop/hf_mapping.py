@@ -537,6 +537,9 @@ def _deepseek_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
 
 def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
   """A config.json that transformers builds the same model from, with `dtype` weights."""
+  if cfg.activation and cfg.activation != cfg.traits.activation:
+    raise ValueError(f"model.activation={cfg.activation!r}: the config.json meshlm writes for {cfg.family} names "
+                     f"its own {cfg.traits.activation}; export a model trained with model.activation empty.")
   return mapping_of(cfg).config(cfg, tied, dtype)
 
 

@@ -52,7 +52,7 @@ def measure(config, *, warmup: int, steps: int, windows: int) -> dict:
 
   state = init_state(layout, config.seed)
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
-  batch = data.global_batch(split, seed=config.seed, step=0, batch_size=config.batch_size,
+  batch = data.global_batch(split, seed=data.data_seed(config), step=0, batch_size=config.batch_size,
                             seq_len=seq_len, sharding=layout.batch_sharding)
   in_flight = StepsInFlight()
   for _ in range(warmup):

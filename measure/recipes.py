@@ -21,6 +21,9 @@ SHORT_RUN = {"steps": 120, "batch_size": 8, "log_every": 10, "eval_every": 60, "
              "sample_tokens": 0, "checkpoint.every": 60, "checkpoint.keep": 1}
 
 
+FIVE_SEEDS = (0, 1, 2, 3, 4)  # a recipe's runs repeated to give each cell an interval (measure/seed_stats.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
   name: str
@@ -29,14 +32,21 @@ class Recipe:
   cases: tuple = ()  # or explicit runs: dicts of field -> value
   fixed: dict = dataclasses.field(default_factory=dict)  # fields every run shares
   seeds: tuple = (0,)
+  # What the seeds set: `seed` (the initial weights and the data order) or `data.seed` (the order alone).
+  seed_field: str = "seed"
   config: str = "configs/gpt2.py:tiny"
   devices: int = 1  # simulated CPU devices (XLA flag); a GPU or TPU host uses its own
   columns: dict = dataclasses.field(default_factory=dict)  # extra table column -> fn(run's fields) -> str
   target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
   versus: str = ""  # a field: the figure plots final validation loss against it, a line per other setting
   expert_balance: bool = False  # columns of how evenly the experts were chosen over the run's second half
+  # Compute matching: each run's steps are those that spend `budget` of `match` (tokens, or the textbook's training
+  # FLOPs), whatever its batch or model; "" runs the steps configured.
+  match: str = ""
+  budget: float = 0.0
   # With several seeds, the cell the others are compared with (fields -> values it has); empty: the first cell.
   baseline: dict = dataclasses.field(default_factory=dict)
+  cumulative: bool = False  # each cell adds to the one before it, and is compared with that one instead
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""
@@ -47,7 +57,7 @@ class Recipe:
       points = [dict(zip(fields, values)) for values in itertools.product(*(v for _, v in self.grid))]
     else:
       points = [dict(case) for case in self.cases] or [{}]
-    return [{**point, "seed": seed} for point in points for seed in self.seeds]
+    return [{**point, self.seed_field: seed} for point in points for seed in self.seeds]
 
 
 PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_layers": 4,
@@ -56,6 +66,25 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
 
 
 WSD_STABLE = "optimizer.name=adamw,schedule.decay=wsd,steps=200,branch_from=,seed=0"  # the wsd recipe's stable run's folder
+
+
+# The speedrun recipe's ideas in the order they are added, each a setting and the baseline's (GPT-2 as configured);
+# Muon at a rate near its best in muon_vs_adamw, AdamW at the config's 3e-3.
+SPEEDRUN_IDEAS = ((("model.activation", "relu2"), ("model.activation", "gelu")),
+                  (("model.zero_init_out", True), ("model.zero_init_out", False)),
+                  (("model.logit_softcap", 15.0), ("model.logit_softcap", 0.0)),
+                  ((("optimizer.name", "muon"), ("optimizer.lr", 0.01)),
+                   (("optimizer.name", "adamw"), ("optimizer.lr", 0.003))))
+
+
+def _stacked(ideas, upto: int) -> dict:
+  """A case with the first `upto` ideas' settings and the others' baseline values (every case names every field,
+  so that the table has a column for each)."""
+  case = {}
+  for index, (idea, baseline) in enumerate(ideas):
+    chosen = idea if index < upto else baseline
+    case.update(chosen if isinstance(chosen[0], tuple) else (chosen,))
+  return case
 
 
 def _bubble(formula):
@@ -68,7 +97,7 @@ RECIPES = {r.name: r for r in [
     Recipe("adamw_vs_l2",
            "Decoupled weight decay (AdamW) against decay as an L2 term in Adam's gradient, at two strengths.",
            grid=(("optimizer.name", ("adamw", "adam_l2")), ("optimizer.weight_decay", (0.1, 1.0))),
-           fixed=SHORT_RUN),
+           fixed=SHORT_RUN, seeds=FIVE_SEEDS),
     Recipe("schedule",
            "Linear warmup against none, and cosine decay against a constant rate, at a high peak rate.",
            grid=(("schedule.warmup_steps", (0, 30)), ("schedule.decay", ("cosine", "constant"))),
@@ -83,7 +112,8 @@ RECIPES = {r.name: r for r in [
     Recipe("muon_vs_adamw",
            "Muon against AdamW at equal tokens, each over the same six peak rates.",
            grid=(("optimizer.name", ("adamw", "muon")), ("optimizer.lr", (0.0003, 0.001, 0.003, 0.01, 0.03, 0.1))),
-           fixed=SHORT_RUN, target_loss=3.0),
+           fixed=SHORT_RUN, target_loss=3.0, seeds=FIVE_SEEDS,
+           baseline={"optimizer.name": "adamw", "optimizer.lr": 0.001}),  # AdamW's best rate on seed 0
     # The decays branch from the first run's checkpoints, which sit in the same sweep folder ({out}).
     Recipe("wsd",
            "Warmup-stable-decay against cosine and schedule-free AdamW at budgets of 80 and 120 steps, WSD's "
@@ -130,6 +160,12 @@ RECIPES = {r.name: r for r in [
            "and two; the validation loss is the next token's in every run.",
            cases=({"model.mtp_depth": 0}, {"model.mtp_depth": 1}, {"model.mtp_depth": 2}),
            seeds=(0, 1, 2), config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN),
+    Recipe("speedrun",
+           "The modded-nanogpt speedrun's ideas added one at a time to the tiny GPT-2 at equal tokens: ReLU-squared, "
+           "zero-initialised output projections, logits soft-capped at 15, then Muon.",
+           cases=tuple(_stacked(SPEEDRUN_IDEAS, upto) for upto in range(len(SPEEDRUN_IDEAS) + 1)),
+           fixed=SHORT_RUN, match="tokens", budget=SHORT_RUN["steps"] * SHORT_RUN["batch_size"] * 128,  # 128 positions
+           target_loss=3.0, seeds=FIVE_SEEDS, cumulative=True),
     Recipe("pipeline_bubble",
            "GPipe over 4 stages on 4 simulated devices: more micro-batches, smaller bubble, same losses.",
            grid=(("pipeline.microbatches", (1, 2, 4, 8, 16)),),

@@ -21,6 +21,10 @@ from configs import load
 from measure import seed_stats
 from measure.doc_blocks import replace_block
 from measure.recipes import Recipe
+from measure.dry_run import model_weights
+from measure.flops import ideal_flops
+from measure.sizes import run_of
+from parallel.mesh import AXES
 from training.state import model_config
 from training.validate import check_run
 
@@ -56,9 +60,47 @@ def run_name(fields: dict) -> str:
   return re.sub(r"[^\w.=,+-]", "_", name)
 
 
+MATCHES = ("tokens", "flops")
+SMOOTHING = 3  # logged train losses averaged where tokens-to-target is read
+
+
+def run_config(recipe: Recipe, fields: dict, workdir: Path):
+  """The config of the run with `fields`, as its train.py command sets it (without compute matching's steps)."""
+  config = load.set_fields(load.load(recipe.config), {"workdir": str(workdir)})
+  for field, value in {**recipe.fixed, **fields}.items():
+    load.override(config, field, str(value).replace("{out}", str(workdir.parent)))
+  return config
+
+
+def tokens_per_step(config) -> int:
+  """Tokens one train step reads (a preference pair's two answers counted apart, as the estimator counts them)."""
+  return run_of(config).batch_size * model_config(config).max_len
+
+
+def step_cost(match: str, config) -> float:
+  """What one step of `config` spends: its tokens, or the textbook's training FLOPs of the whole step (6N per token
+  plus attention's, measure/flops.py ideal_flops on one device)."""
+  if match == "tokens":
+    return tokens_per_step(config)
+  return ideal_flops(config, {axis: 1 for axis in AXES}, model_weights(config))
+
+
+def matched_steps(recipe: Recipe, fields: dict, workdir: Path) -> dict:
+  """{"steps": the steps that spend recipe.budget of recipe.match} for the run with `fields`; {} without matching."""
+  if not recipe.match:
+    return {}
+  cost = step_cost(recipe.match, run_config(recipe, fields, workdir))
+  steps = int(recipe.budget // cost)
+  if steps < 1:
+    raise ValueError(f"a budget of {recipe.budget:g} {recipe.match} buys no step (one costs {cost:.3g}); raise "
+                     "--budget.")
+  return {"steps": steps}
+
+
 def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
   """The run's train.py command; `{out}` in a value is the sweep's folder (a branch names a sibling run)."""
-  settings = {k: str(v).replace("{out}", str(workdir.parent)) for k, v in {**recipe.fixed, **fields}.items()}
+  chosen = {**recipe.fixed, **fields, **matched_steps(recipe, fields, workdir)}
+  settings = {k: str(v).replace("{out}", str(workdir.parent)) for k, v in chosen.items()}
   return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
           *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}",
           f"--config.wandb.group={recipe.name}"]  # a sweep's runs side by side when W&B is on
@@ -115,6 +157,16 @@ def summarize(workdir: Path, marker: dict) -> dict:
   }
 
 
+def tokens_to_target(workdir: Path, target: float, tokens: int) -> int | None:
+  """The tokens read by the first logged step where the mean of the last SMOOTHING logged train losses is at most
+  `target` (`tokens` a step), or None where it never is."""
+  losses, _ = read_metrics(workdir)
+  for i in range(SMOOTHING - 1, len(losses)):
+    if statistics.mean(r["loss"] for r in losses[i - SMOOTHING + 1:i + 1]) <= target:
+      return losses[i]["step"] * tokens
+  return None
+
+
 def steps_to(workdir: Path, target: float) -> str:
   """The first logged step whose train loss is at most `target` (log_every apart), or "not reached"."""
   train, _ = read_metrics(workdir)
@@ -150,35 +202,56 @@ def write_tables(rows: list[dict], out: Path, name: str = "results") -> str:
 
 def is_baseline(recipe: Recipe, fields: dict) -> bool:
   """Whether a run's `fields` have every value recipe.baseline names (an empty baseline: the first cell's)."""
-  wanted = recipe.baseline or {k: v for k, v in recipe.runs()[0].items() if k != "seed"}
+  wanted = recipe.baseline or {k: v for k, v in recipe.runs()[0].items() if k != recipe.seed_field}
   return all(str(fields.get(k)) == str(v) for k, v in wanted.items())
 
 
-def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[str]) -> list[dict]:
+def _tokens_reached(recipe: Recipe, runs: list[dict], out: Path) -> dict:
+  """Each cell's tokens to recipe.target_loss (tokens_to_target), a seed's run each: None where it is not reached."""
+  reached = {}
+  for fields in runs:
+    workdir = out / run_name(fields)
+    reached.setdefault(tuple((k, fields[k]) for k in fields if k != recipe.seed_field), []).append(
+        tokens_to_target(workdir, recipe.target_loss, tokens_per_step(run_config(recipe, fields, workdir))))
+  return reached
+
+
+def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[str], out: Path) -> list[dict]:
   """One row per cell (a run's fields but its seed) over its seeds: the final validation loss's mean (the train
   loss's where the runs are not evaluated) with its 95% confidence interval and standard deviation, and each
-  cell against the baseline cell seed by seed (measure/seed_stats.py): the difference with its interval, the
-  paired t-test's p-value, whether it is below 0.05, and the seeds an interval of this spread needs to exclude 0."""
+  cell against the baseline cell (a cumulative recipe's: the row before) seed by seed (measure/seed_stats.py): the
+  difference with its interval, the
+  paired t-test's p-value, whether it is below 0.05, and the seeds an interval of this spread needs to exclude 0;
+  with recipe.target_loss, the tokens each cell takes to reach it (tokens_to_target) with their interval."""
   metric = "final val loss" if all(row["final val loss"] for row in rows) else "final train loss"
   cells = {}
   for fields, row in zip(runs, rows):
-    key = tuple((k, fields[k]) for k in fields if k != "seed")
+    key = tuple((k, fields[k]) for k in fields if k != recipe.seed_field)
     cells.setdefault(key, []).append(float(row[metric]))
   base = next(key for key in cells if is_baseline(recipe, dict(key)))
-  table = []
+  against = "previous row" if recipe.cumulative else "baseline"
+  reached = _tokens_reached(recipe, runs, out) if recipe.target_loss else {}
+  table, previous = [], None
   for key, values in cells.items():
     spread = seed_stats.cell(values)
     row = {k: _shown(v, runs) for k, v in key if k in shown}
     row.update({"seeds": spread.n, f"{metric}, mean ± 95% CI": f"{spread.mean:.4f} ± {spread.half_width:.4f}",
                 "sd": f"{spread.sd:.4f}"})
-    if key == base:
-      row.update({"vs baseline, ± 95% CI": "baseline", "p (paired t)": "", "p < 0.05": "", "seeds to resolve": ""})
+    if recipe.target_loss:
+      tokens = [t for t in reached[key] if t is not None]
+      within = seed_stats.cell(tokens) if len(tokens) == len(reached[key]) else None
+      row[f"tokens to loss {recipe.target_loss} ({SMOOTHING}-log mean), mean ± 95% CI"] = (
+          f"{within.mean:,.0f} ± {within.half_width:,.0f}" if within else f"{len(tokens)} of {len(reached[key])} seeds")
+    compared = previous if recipe.cumulative else base
+    if key == base or compared is None:
+      row.update({f"vs {against}, ± 95% CI": "baseline", "p (paired t)": "", "p < 0.05": "", "seeds to resolve": ""})
     else:
-      versus = seed_stats.paired(values, cells[base])
-      row.update({"vs baseline, ± 95% CI": f"{versus.difference:+.4f} ± {versus.half_width:.4f}",
+      versus = seed_stats.paired(values, cells[compared])
+      row.update({f"vs {against}, ± 95% CI": f"{versus.difference:+.4f} ± {versus.half_width:.4f}",
                   "p (paired t)": f"{versus.p:.3g}", "p < 0.05": "yes" if versus.significant else "no",
                   "seeds to resolve": versus.seeds_needed or f"> {seed_stats.MAX_SEEDS}"})
     table.append(row)
+    previous = key
   return table
 
 
@@ -212,6 +285,32 @@ def plot(runs: list[tuple[str, Path]], title: str, path: Path) -> None:
   _save(figure, axes, path, 7)
 
 
+def _over_seeds(workdirs: list[Path], validation: bool) -> tuple[list, list, list]:
+  """(steps, means, 95% half-widths) of the train (or validation) loss at each step every run logged."""
+  by_step = {}
+  for workdir in workdirs:
+    for r in read_metrics(workdir)[validation]:
+      by_step.setdefault(r["step"], []).append(r["eval_loss" if validation else "loss"])
+  spread = {step: seed_stats.cell(values) for step, values in sorted(by_step.items()) if len(values) == len(workdirs)}
+  return list(spread), [c.mean for c in spread.values()], [c.half_width for c in spread.values()]
+
+
+def plot_seeded(cells: dict[str, list[Path]], title: str, path: Path) -> None:
+  """Each cell's mean train loss over its seeds' runs as a line in a band of its 95% confidence interval, step by
+  step, and its validation losses' mean as dots with the interval as bars."""
+  figure, axes = _axes()
+  for index, (label, workdirs) in enumerate(cells.items()):
+    colour = f"C{index % 10}"
+    steps, means, widths = _over_seeds(workdirs, validation=False)
+    axes.plot(steps, means, color=colour, lw=1.2, label=label)
+    axes.fill_between(steps, [m - w for m, w in zip(means, widths)], [m + w for m, w in zip(means, widths)],
+                      color=colour, alpha=0.2, lw=0)
+    steps, means, widths = _over_seeds(workdirs, validation=True)
+    axes.errorbar(steps, means, yerr=widths, fmt="o", color=colour, ms=4, capsize=2)
+  axes.set(xlabel="step", ylabel="loss, mean ± 95% CI (dots: validation)", title=title)
+  _save(figure, axes, path, 7)
+
+
 def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, path: Path) -> None:
   """Final validation loss against `field`, one line per setting of the other `varied` fields (log x)."""
   lines = {}
@@ -242,7 +341,7 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
   out = out.resolve()  # train.py runs from the repository root
   out.mkdir(parents=True, exist_ok=True)
   runs = recipe.runs()
-  varied = [k for k in runs[0] if k != "seed" or len(recipe.seeds) > 1]
+  varied = [k for k in runs[0] if k != recipe.seed_field or len(recipe.seeds) > 1]
   rows, curves, failed = [], [], []
   for index, fields in enumerate(runs, 1):
     name = run_name(fields)
@@ -255,17 +354,23 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
       failed.append(name)
     label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
     reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
-    rows.append({**{k: _shown(fields[k], runs) for k in varied},
+    rows.append({**{k: _shown(fields[k], runs) for k in varied}, **matched_steps(recipe, fields, workdir),
                  **{column: describe(fields) for column, describe in recipe.columns.items()},
                  **summarize(workdir, marker), **reached,
                  **(expert_balance(workdir) if recipe.expert_balance else {})})
     curves.append((label, workdir))
   markdown = write_tables(rows, out)
   if len(recipe.seeds) > 1 and not failed:
-    markdown += "\n" + write_tables(seeded_rows(recipe, runs, rows, [k for k in varied if k != "seed"]), out,
-                                     "results_by_cell")
+    cells = seeded_rows(recipe, runs, rows, [k for k in varied if k != recipe.seed_field], out)
+    markdown += "\n" + write_tables(cells, out, "results_by_cell")
   if recipe.versus:
     plot_versus(rows, varied, recipe.versus, recipe.name, figure or out / "loss.png")
+  elif len(recipe.seeds) > 1 and not failed:
+    cells = {}
+    for label_fields, (_, workdir) in zip(runs, curves):
+      label = ", ".join(f"{k.split('.')[-1]}={label_fields[k]}" for k in varied if k != recipe.seed_field)
+      cells.setdefault(label or recipe.name, []).append(workdir)
+    plot_seeded(cells, recipe.name, figure or out / "loss.png")
   else:
     plot(curves, recipe.name, figure or out / "loss.png")
   if failed:
@@ -275,7 +380,10 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
 
 def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
   """A recipe's caption, table and figure and the command that made them, as docs/<recipe>.md and --page hold them."""
-  return (f"*`{recipe.name}`*: {recipe.question}\n\n{table}\n![{recipe.name}]({figure})\n\n"
+  seeds = (f"Each cell over seeds {', '.join(map(str, recipe.seeds))} ({recipe.seed_field}), against the "
+           "baseline cell seed by seed (paired t-test); the runs' own rows are the sweep's results.md.\n\n"
+           if len(recipe.seeds) > 1 else "")
+  return (f"*`{recipe.name}`*: {recipe.question}\n\n{seeds}{table}\n![{recipe.name}]({figure})\n\n"
           f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
 
 
@@ -292,16 +400,20 @@ def check_runs(recipe: Recipe, out: Path) -> None:
   """Each run's settings checked as train.py checks them, before any run starts: a misspelt field or
   a bad value is one line naming the run, not a failed run an hour into the sweep. The mesh waits
   for the run itself, which sees its own devices."""
-  cells = {tuple(sorted((k, str(v)) for k, v in fields.items() if k != "seed"))
+  cells = {tuple(sorted((k, str(v)) for k, v in fields.items() if k != recipe.seed_field))
            for fields in recipe.runs() if is_baseline(recipe, fields)}
   if len(cells) != 1:
     raise ValueError(f"baseline {recipe.baseline} matches {len(cells) or 'no'} cells of {recipe.name!r}; name "
                      "field=value pairs that one cell of the grid has, and only it.")
+  if recipe.match and (recipe.match not in MATCHES or not recipe.budget > 0):
+    raise ValueError(f"match={recipe.match!r} with budget={recipe.budget:g}: give one of {', '.join(MATCHES)} and a "
+                     "budget > 0 (tokens or FLOPs per run).")
+  if recipe.match and any("steps" in fields for fields in recipe.runs()):
+    raise ValueError(f"match={recipe.match} sets each run's steps from the budget; leave steps out of the grid.")
   for fields in recipe.runs():
-    config = load.set_fields(load.load(recipe.config), {"workdir": str(out / run_name(fields))})  # as `sweep` gives each run its own
     try:
-      for field, value in {**recipe.fixed, **fields}.items():
-        load.override(config, field, str(value))
+      config = run_config(recipe, fields, out / run_name(fields))  # as `sweep` gives each run its own workdir
+      config = load.set_fields(config, matched_steps(recipe, fields, out / run_name(fields)))
       check_run(config)
       model_config(config)
     except ValueError as error:

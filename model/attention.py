@@ -10,7 +10,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, param, soft_capped, zeros
+from model.layers import matmul, out_projection_std, param, soft_capped, zeros
 from model.placement import constrain, current
 
 
@@ -372,9 +372,8 @@ class SelfAttention(nnx.Module):
     d, n, h = cfg.embed_dim, cfg.num_heads, cfg.head_dim
     self.qkv_kernel = param(rngs, (d, 3, n, h), ("embed", None, "heads", "head_dim"))
     self.qkv_bias = zeros((3, n, h), (None, "heads", "head_dim"))
-    # GPT-2 scales residual projections by 1/sqrt(2L) so the residual stream's variance stays put.
     self.out_kernel = param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
-                            std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+                            std=out_projection_std(cfg))
     self.out_bias = zeros((d,), ("embed",))
     self.cfg = cfg
 

@@ -9,6 +9,7 @@ from model.families import FAMILIES, Family
 
 REMAT_POLICIES = ("none", "full", "full_offload", "save_dots", "save_attention", "offload")  # model/transformer.py
 ATTENTION_KERNELS = ("auto", "xla", "cudnn", "splash")  # model/attention.py kernel
+ACTIVATION_NAMES = ("gelu", "silu", "relu2")  # model/layers.py ACTIVATIONS, each by its name
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")  # model/rotary.py rotary_frequencies
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding shards evenly and matmuls tile well
@@ -26,6 +27,8 @@ class ModelConfig:
   remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
   scan_layers: bool = True  # one scanned block (fast compiles) or the layers unrolled (model/transformer.py)
   recompute_activation: bool = False  # GELU / SiLU recomputed from their inputs in the backward pass
+  activation: str = ""  # the feed-forward activation; "": the family's own (GPT-2 tanh-GELU, Llama SiLU)
+  zero_init_out: bool = False  # the attention's output and the MLP's down projections start at zero
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
@@ -131,6 +134,11 @@ class ModelConfig:
     return FAMILIES[self.family]
 
   @property
+  def mlp_activation(self) -> str:
+    """The feed-forward activation, a name in model/layers.py ACTIVATIONS."""
+    return self.activation or self.traits.activation
+
+  @property
   def epsilon(self) -> float:
     return self.norm_eps or self.traits.norm_eps
 
@@ -180,6 +188,9 @@ class ModelConfig:
       raise ValueError(
           f"model.num_heads={self.num_heads} is not a multiple of model.kv_heads={self.num_kv_heads}; "
           "grouped-query attention shares each key/value head among an equal number of query heads.")
+    if self.activation and self.activation not in ACTIVATION_NAMES:
+      raise ValueError(f"model.activation={self.activation!r} is unknown; use one of {', '.join(ACTIVATION_NAMES)}, "
+                       "or leave it empty for the family's own.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r} is unknown; use one of {', '.join(REMAT_POLICIES)}.")
     if self.attention not in ATTENTION_KERNELS:

@@ -11,7 +11,10 @@ from model.fp8 import einsum as fp8_einsum
 
 INIT_STD = 0.02  # GPT-2's normal init
 
-ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu}
+# model/config.py ACTIVATION_NAMES lists these for validation; relu2, ReLU squared (So et al., "Primer", 2021), is
+# the modded-nanogpt speedrun's.
+ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "silu": jax.nn.silu,
+               "relu2": lambda h: jnp.square(jax.nn.relu(h))}
 
 
 def activated_down(name: str, down, cfg: ModelConfig, h: jax.Array, up: jax.Array | None = None) -> jax.Array:
@@ -34,6 +37,13 @@ def activated_down(name: str, down, cfg: ModelConfig, h: jax.Array, up: jax.Arra
   if not cfg.recompute_activation:
     return second_half(*operands)
   return jax.checkpoint(second_half, prevent_cse=not cfg.scan_layers)(*operands)
+
+
+def out_projection_std(cfg: ModelConfig) -> float:
+  """The initial spread of a projection back into the residual stream (the attention's output, the MLP's down):
+  GPT-2's 1/sqrt(2L) of the others', so the stream's variance stays put; 0 with model.zero_init_out (the speedrun's
+  zero-initialised projections: each block starts as the identity)."""
+  return 0.0 if cfg.zero_init_out else INIT_STD / (2 * cfg.num_layers) ** 0.5
 
 
 def param(rngs: nnx.Rngs, shape, axes, std=INIT_STD) -> nnx.Param:

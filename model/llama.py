@@ -4,7 +4,7 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, RMSNorm, matmul, param, vocab_param
+from model.layers import RMSNorm, matmul, out_projection_std, param, vocab_param
 from model.mla import attention_layer
 from model.mlp import Mlp
 from model.moe import MoE
@@ -22,7 +22,7 @@ class Attention(nnx.Module):
     self.k_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
     self.v_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
     self.out_kernel = param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
-                            std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+                            std=out_projection_std(cfg))
     self.cfg = cfg
 
   def project(self, x_BTD):

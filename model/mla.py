@@ -19,7 +19,7 @@ from flax import nnx
 
 from model.attention import attention, blockwise_attention
 from model.config import ModelConfig
-from model.layers import INIT_STD, RMSNorm, matmul, param
+from model.layers import RMSNorm, matmul, out_projection_std, param
 from model.placement import constrain
 from model.rotary import rotary
 
@@ -45,7 +45,7 @@ class LatentAttention(nnx.Module):
     self.kv_norm = RMSNorm(c, cfg.epsilon, axis="latent")
     self.kv_up_kernel = param(rngs, (c, n, h - r + v), ("latent", "heads", "head_dim"))
     self.out_kernel = param(rngs, (n, v, d), ("heads", "head_dim", "embed"),
-                            std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+                            std=out_projection_std(cfg))
     self.cfg = cfg
 
   def queries(self, x_BTD, positions_T):

@@ -6,7 +6,7 @@ import jax
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, activated_down, matmul, param, zeros
+from model.layers import activated_down, matmul, out_projection_std, param, zeros
 from model.placement import constrain
 
 
@@ -26,7 +26,7 @@ def feed_forward(cfg: ModelConfig, x, weights: tuple, project, project_down, bia
   up = project(x, named["up_kernel"])
   if cfg.traits.biases:
     up = up + bias(named["up_bias"])  # what the backward pass keeps of an ungated layer (activated_down)
-  y = activated_down(cfg.traits.activation, lambda h: project_down(h, named["down_kernel"]), cfg, *gate, up)
+  y = activated_down(cfg.mlp_activation, lambda h: project_down(h, named["down_kernel"]), cfg, *gate, up)
   return y + bias(named["down_bias"]) if cfg.traits.biases else y
 
 
@@ -39,7 +39,7 @@ class Mlp(nnx.Module):
     if cfg.traits.gated_mlp:
       self.gate_kernel = param(rngs, (d, f), ("embed", "mlp"))
     self.up_kernel = param(rngs, (d, f), ("embed", "mlp"))
-    self.down_kernel = param(rngs, (f, d), ("mlp", "embed"), std=INIT_STD / (2 * cfg.num_layers) ** 0.5)
+    self.down_kernel = param(rngs, (f, d), ("mlp", "embed"), std=out_projection_std(cfg))
     if cfg.traits.biases:
       self.up_bias = zeros((f,), ("mlp",))
       self.down_bias = zeros((d,), ("embed",))

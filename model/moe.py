@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import INIT_STD, matmul, param, zeros
+from model.layers import matmul, out_projection_std, param, zeros
 from model.mlp import Mlp, feed_forward, weight_names
 from model.placement import constrain, current, shard_mean
 
@@ -172,7 +172,7 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f, e = cfg.embed_dim, cfg.mlp_dim, cfg.num_experts
-    out_std = INIT_STD / (2 * cfg.num_layers) ** 0.5
+    out_std = out_projection_std(cfg)
     self.router = param(rngs, (d, e), ("embed", None))  # small: replicated, computed in float32
     self.up_kernel = param(rngs, (e, d, f), ("expert", "embed", "mlp"))
     self.down_kernel = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=out_std)

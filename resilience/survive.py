@@ -270,7 +270,7 @@ class Survivor:
     copy: the last one sent arrives during this step, and one of this step's state leaves when due."""
     config, layout = self.config, self.layout
     began = time.perf_counter()
-    batch = data.global_batch(self._split, seed=config.seed, step=step, batch_size=config.batch_size,
+    batch = data.global_batch(self._split, seed=data.data_seed(config), step=step, batch_size=config.batch_size,
                               seq_len=layout.model.max_len, sharding=layout.batch_sharding)
     data_seconds = time.perf_counter() - began
     new_state, metrics = self.compiled(state, batch)

@@ -33,7 +33,7 @@ class LocalStepper(Stepper):
   def __enter__(self):
     # Prefetching starts here, not when compiled: a run stopped before its first step starts none.
     config = self._config
-    self._batches = data.batches(self._train_split, seed=config.seed, start=int(self.state["step"]),
+    self._batches = data.batches(self._train_split, seed=data.data_seed(config), start=int(self.state["step"]),
                                  stop=config.steps, batch_size=config.batch_size,
                                  seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding,
                                  depth=config.data.prefetch)

@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from helpers import ROOT, data_config, tiny_config, write_corpus
 from input_pipeline import data, prepare, token_files, tokenizer
 from run.loop import train
+from training.state import init_state, plan
+from training.step import loss_fn
 
 B, T = 8, 16
 
@@ -314,3 +316,23 @@ def test_prepare_refuses_an_output_that_is_a_file(tmp_path):
   with pytest.raises(ValueError, match=r"--output=.*taken is a file, not a folder"):
     prepare.prepare(tmp_path / "text", tmp_path / "taken")
   assert (tmp_path / "taken").read_text() == "mine"
+
+
+@pytest.mark.parametrize("seed, data_seed", [(0, 1), (1, 0)], ids=["other data order", "other initial weights"])
+def test_data_seed_sets_the_order_and_seed_the_weights(seed, data_seed, tmp_path):
+  """A run's first logged loss is its initial weights' (drawn from `seed`) on batch 0 of `data.seed`'s order."""
+  overrides = {"seed": seed, "data.seed": data_seed, "steps": 1, "log_every": 1, "eval_every": 0,
+               "sample_tokens": 0, "workdir": str(tmp_path / "run")}
+  config = tiny_config(**overrides)
+  train(config)
+  logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+  layout = plan(config)
+  split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
+  batch = data.global_batch(split, seed=data_seed, step=0, batch_size=config.batch_size,
+                            seq_len=config.model.max_len, sharding=layout.batch_sharding)
+  expected = jax.jit(lambda p, b: loss_fn(layout, p, b))(init_state(layout, seed)["params"], batch)
+  assert logged == pytest.approx(float(expected), rel=1e-6)
+  other = data.global_batch(split, seed=seed, step=0, batch_size=config.batch_size, seq_len=config.model.max_len,
+                            sharding=layout.batch_sharding)
+  assert float(jax.jit(lambda p, b: loss_fn(layout, p, b))(init_state(layout, seed)["params"], other)) != \
+      pytest.approx(logged, rel=1e-4)  # the other seed's batch gives another loss: the check has teeth

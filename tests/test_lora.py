@@ -122,7 +122,7 @@ def test_a_lora_checkpoint_leaves_out_the_frozen_weights_and_resumes_exactly(tmp
   assert lora.ADAPTERS in held and "params" not in held
   last = lambda: [(r["loss"], r["grad_norm"]) for r in read_metrics(workdir) if r.get("step") == 4 and "loss" in r]
   straight = last()
-  train(tiny_config(**overrides, resume="2"))  # the frozen weights drawn again from the seed, checked, and step 4 redone
+  train(tiny_config(**overrides, resume="2"))  # the frozen weights drawn again from the seed, checked; step 4 redone
   assert len(straight) == 1 and last() == straight
   with pytest.raises(ValueError, match=r"holds LoRA adapters trained on other frozen weights than the ones given"):
     train(tiny_config(**{**overrides, "seed": 1}, resume="2"))

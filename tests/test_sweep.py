@@ -3,6 +3,7 @@
 The notebooks' test runs a real sweep end to end (tests/test_notebooks.py).
 """
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -35,6 +36,8 @@ def test_grid_runs_every_combination_for_every_seed():
   runs = recipe.runs()
   assert len(runs) == 8 and runs[0] == {"optimizer.name": "adamw", "schedule.warmup_steps": "0", "seed": 0}
   assert len({sweep.run_name(r) for r in runs}) == 8  # one directory each
+  order_only = dataclasses.replace(recipe, seed_field="data.seed").runs()  # the weights' seed left as configured
+  assert order_only[1] == {"optimizer.name": "adamw", "schedule.warmup_steps": "0", "data.seed": 1}
   with pytest.raises(ValueError, match="is not field=value1,value2"):
     sweep.parse_grid(["optimizer.name"])
 
@@ -94,14 +97,17 @@ def test_the_wsd_recipe_branches_from_its_own_stable_run(tmp_path):
 BASELINE_LOSSES, OTHER_LOSSES = (1.0, 1.2, 0.9, 1.1, 1.05), (1.1, 1.25, 1.0, 1.12, 1.1)
 
 
-def finished_sweep(recipe, out, losses):
-  """`recipe`'s runs in `out` as finished runs that logged the given final losses (run i: losses[i])."""
-  for fields, loss in zip(recipe.runs(), losses):
+def finished_sweep(recipe, out, losses, train_losses=None):
+  """`recipe`'s runs in `out` as finished runs that logged the given final validation losses (run i: losses[i])
+  and train losses (train_losses[i], logged 10 steps apart; default one, 0.1 above the validation loss)."""
+  for i, (fields, loss) in enumerate(zip(recipe.runs(), losses)):
     workdir = out / sweep.run_name(fields)
     workdir.mkdir(parents=True)
     (workdir / sweep.MARKER).write_text(json.dumps({"command": sweep.train_command(recipe, fields, workdir),
                                                     "finished": True, "seconds": 1.0}))
-    records = [{"step": 10, "loss": loss + 0.1, "tokens_per_sec": 1.0}, {"step": 10, "eval_loss": loss}]
+    logged = train_losses[i] if train_losses else [loss + 0.1]
+    records = [{"step": 10 * (j + 1), "loss": x, "tokens_per_sec": 1.0} for j, x in enumerate(logged)]
+    records.append({"step": 10 * len(logged), "eval_loss": loss})
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -137,3 +143,52 @@ def test_students_t_is_scipys(p, t, df):
   # Reference values: scipy 1.17.1's 2 * stats.t.sf(t, df) and stats.t.ppf.
   assert seed_stats.t_two_sided_p(t, df) == pytest.approx(p, rel=1e-12)
   assert seed_stats.t_quantile(1 - p / 2, df) == pytest.approx(t, rel=1e-9)
+
+
+def test_compute_matching_gives_each_run_the_steps_its_budget_buys(tmp_path):
+  grid = sweep.parse_grid(["batch_size=4,8", "model.num_layers=2,4"])
+  by_tokens = Recipe("t", "", grid=grid, match="tokens", budget=512 * 128 * 10)
+  steps = {(f["batch_size"], f["model.num_layers"]): sweep.matched_steps(by_tokens, f, tmp_path)["steps"]
+           for f in by_tokens.runs()}
+  assert steps == {("4", "2"): 1280, ("4", "4"): 1280, ("8", "2"): 640, ("8", "4"): 640}  # 128 tokens a row
+  by_flops = dataclasses.replace(by_tokens, match="flops", budget=1e13)
+  # The whole step's textbook FLOPs (measure/flops.py ideal_flops, held to hand arithmetic in test_estimate.py).
+  cost = {(f["batch_size"], f["model.num_layers"]): sweep.step_cost("flops", sweep.run_config(by_flops, f, tmp_path))
+          for f in by_flops.runs()}
+  for fields in by_flops.runs():
+    assert sweep.matched_steps(by_flops, fields, tmp_path) == {
+        "steps": int(1e13 // cost[fields["batch_size"], fields["model.num_layers"]])}
+  assert cost["8", "2"] == 2 * cost["4", "2"]  # twice the tokens
+  assert 1.5 < cost["4", "4"] / cost["4", "2"] < 2  # twice the layers, the same head: less than twice the FLOPs
+  command = sweep.train_command(by_tokens, by_tokens.runs()[0], tmp_path / "run")
+  assert "--config.steps=1280" in command
+  with pytest.raises(ValueError, match=r"a budget of 100 tokens buys no step \(one costs 512\)"):
+    sweep.check_runs(dataclasses.replace(by_tokens, budget=100), tmp_path)
+  with pytest.raises(ValueError, match="leave steps out of the grid"):
+    sweep.check_runs(Recipe("t", "", grid=sweep.parse_grid(["steps=10,20"]), match="tokens", budget=1e6), tmp_path)
+
+
+def test_tokens_to_target_come_with_their_interval_over_seeds(tmp_path):
+  recipe = Recipe("t", "", grid=sweep.parse_grid(["batch_size=4,8"]), seeds=(0, 1, 2), target_loss=2.0)
+  # The mean of three logged losses first reaches 2.0 at the third log (2.5, 2.0, 1.5), the fourth or never.
+  fast, slow, never = [2.5, 2.0, 1.5, 1.0], [3.0, 2.5, 1.5, 1.5], [3.0, 3.0, 3.0, 3.0]
+  finished_sweep(recipe, tmp_path, [1.0] * 6, [fast, slow, fast, never, fast, fast])
+  sweep.sweep(recipe, tmp_path)
+  (four, eight), = markdown_tables((tmp_path / "results_by_cell.md").read_text())
+  column = "tokens to loss 2.0 (3-log mean), mean ± 95% CI"
+  tokens = np.array([30, 40, 30]) * 4 * 128  # steps 30, 40 and 30 at 512 tokens a step
+  assert four[column] == f"{tokens.mean():,.0f} ± {4.302652729749462 * tokens.std(ddof=1) / 3 ** 0.5:,.0f}"
+  assert eight[column] == "2 of 3 seeds"  # one seed never reached it: no interval over the others alone
+
+
+def test_a_cumulative_recipe_compares_each_row_with_the_one_before(tmp_path):
+  recipe = Recipe("t", "", grid=sweep.parse_grid(["optimizer.lr=1e-3,2e-3,3e-3"]), seeds=tuple(range(5)),
+                  cumulative=True)
+  third = tuple(x - 0.2 for x in OTHER_LOSSES)
+  finished_sweep(recipe, tmp_path, [*BASELINE_LOSSES, *OTHER_LOSSES, *third])
+  sweep.sweep(recipe, tmp_path)
+  (first, second, last), = markdown_tables((tmp_path / "results_by_cell.md").read_text())
+  assert first["vs previous row, ± 95% CI"] == "baseline"
+  assert second["p (paired t)"] == f"{0.015092344138614103:.3g}"  # against the first, as above
+  # The third moved every seed by -0.2 from the second: no spread, and p = 0 (a certain difference).
+  assert last["vs previous row, ± 95% CI"] == "-0.2000 ± 0.0000" and last["p < 0.05"] == "yes"

@@ -37,6 +37,11 @@ _GRID = flags.DEFINE_multi_string("grid", [], "field=v1,v2,...: one axis of the 
 _SET = flags.DEFINE_multi_string("set", [], "field=value for every run (repeat for more).")
 _SEEDS = flags.DEFINE_list("seeds", [], "N (seeds 0 to N-1) or a comma list of seeds, each a run of every grid "
                            "point; with several, a table per cell of means, 95% intervals and paired tests.")
+_SEED_FIELD = flags.DEFINE_enum("seed_field", None, ["seed", "data.seed"], "What --seeds varies: seed (the initial "
+                                "weights and the data order) or data.seed (the order alone); default the recipe's.")
+_MATCH = flags.DEFINE_enum("match", None, ["tokens", "flops"], "Hold every run's tokens or training FLOPs to "
+                           "--budget: each run's steps follow from its batch and model.")
+_BUDGET = flags.DEFINE_float("budget", None, "With --match: the tokens or FLOPs each run spends.")
 _BASELINE = flags.DEFINE_multi_string("baseline", [], "field=value naming the cell the others are compared with "
                                       "(repeat for more fields); default the first cell.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
@@ -65,6 +70,10 @@ def recipes_from_flags() -> list[Recipe]:
     if len(seeds) == 1 and seeds[0] < 1:
       raise ValueError(f"--seeds={seeds[0]} runs no seed; give a count of at least 1 (seeds 0 to N-1) or a list.")
     changes["seeds"] = tuple(range(seeds[0])) if len(seeds) == 1 else seeds
+  if _MATCH.value or _BUDGET.value is not None:
+    changes.update(match=_MATCH.value or "", budget=_BUDGET.value or 0.0)
+  if _SEED_FIELD.value:
+    changes["seed_field"] = _SEED_FIELD.value
   if _BASELINE.value:
     changes["baseline"] = parse_set(_BASELINE.value, "--baseline")
   if _DEVICES.value is not None:
@@ -83,7 +92,9 @@ def sweep_dir(recipe: Recipe) -> Path:
 
 def check_write(recipes: list[Recipe]) -> None:
   """Refuse --write where the docs would not be a recipe's, before any run starts (not after an hour)."""
-  if not _RECIPE.value or _GRID.value or _SEEDS.value or _BASELINE.value or _DEVICES.value or _FIGURE.value:
+  changed = (_GRID.value, _SEEDS.value, _SEED_FIELD.value, _BASELINE.value, _MATCH.value, _BUDGET.value is not None,
+             _DEVICES.value, _FIGURE.value)
+  if not _RECIPE.value or any(changed):
     raise ValueError("--write takes --recipe (a name or all) and --set only: the docs hold the recipes' runs, "
                      "and each figure goes to <folder>/<recipe>.png.")
   page = Path(_PAGE.value).read_text()
@@ -111,6 +122,8 @@ def run_recipe(recipe: Recipe) -> None:
   docs = Path(_WRITE.value)
   table = sweep(recipe, out, docs / f"{recipe.name}.png")
   print(table, end="")
+  if len(recipe.seeds) > 1:  # the docs show each cell over its seeds; every run's own row stays in results.md
+    table = (out / "results_by_cell.md").read_text()
   write_docs(recipe, table, docs, Path(_PAGE.value), docs_command(recipe))
   print(f"wrote {docs / recipe.name}.md and .png, and its block in {_PAGE.value}")
 

@@ -190,7 +190,9 @@ class Checkpoints:
     """The entries of `abstract` that checkpoint `step` holds: all but a LoRA run's frozen weights (the params),
     which a checkpoint written since they were left out lacks."""
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
-    return abstract if FROZEN in stored or FROZEN not in abstract else {k: v for k, v in abstract.items() if k != FROZEN}
+    if FROZEN in stored or FROZEN not in abstract:
+      return abstract
+    return {k: v for k, v in abstract.items() if k != FROZEN}
 
   def _with_frozen(self, step: int, restored: dict, frozen) -> dict:
     """`restored` (a LoRA checkpoint's entries) with the frozen weights `frozen()` gives, refused in one line

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from input_pipeline.data import data_seed
 from training import grpo, rewards
 from training.sample import check_request, decode_batch, make_sampler
 
@@ -83,7 +84,7 @@ class Rollouts:
 
   def __init__(self, config, layout, tokenizer):
     g = config.grpo
-    self._layout, self._tokenizer, self._seed = layout, tokenizer, config.seed
+    self._layout, self._tokenizer, self._seed = layout, tokenizer, data_seed(config)
     self._settings = grpo.settings(config)
     self._sampling = (np.float32(g.temperature), np.int32(g.top_k), np.float32(g.top_p))
     self._batch_size, self._length = config.batch_size, layout.model.max_len

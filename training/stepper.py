@@ -74,7 +74,7 @@ class Stepper(abc.ABC):
 
 def eval_loss(eval_step, layout: Layout, state, *, split, config) -> float:
   """The mean loss of `state`'s parameters over the first config.eval_batches batches of `split`."""
-  losses = [eval_step(evaluated(state), data.global_batch(split, seed=config.seed, step=i, batch_size=config.batch_size,
+  losses = [eval_step(evaluated(state), data.global_batch(split, seed=data.data_seed(config), step=i, batch_size=config.batch_size,
                                                 seq_len=layout.model.max_len, sharding=layout.batch_sharding))
             for i in range(config.eval_batches)]
   return float(np.mean(jax.device_get(losses)))
