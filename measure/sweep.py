@@ -31,6 +31,7 @@ from training.validate import check_run
 ROOT = Path(__file__).resolve().parent.parent  # train.py runs from the repository's root
 
 MARKER = "sweep_run.json"  # in each run directory: the command that made it and whether it finished
+COMPILATION_CACHE = "compilation_cache"  # in the sweep's folder: the runs' compiled programs, shared between them
 
 
 def parse_grid(entries: list[str]) -> tuple:
@@ -106,11 +107,16 @@ def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
           f"--config.wandb.group={recipe.name}"]  # a sweep's runs side by side when W&B is on
 
 
-def device_env(devices: int) -> dict:
-  """This environment with the simulated CPU device count set to `devices` (GPUs and TPUs ignore it)."""
+def device_env(devices: int, compilation_cache: Path) -> dict:
+  """This environment with the simulated CPU device count set to `devices` (GPUs and TPUs ignore it), and jax's
+  persistent compilation cache in `compilation_cache`: a sweep's runs that differ only in their seed (or in any
+  setting the compiled step does not read) compile their step once between them, the others loading it."""
   others = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
-  return dict(os.environ, XLA_FLAGS=" ".join([*others, f"--xla_force_host_platform_device_count={devices}"]))
+  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(compilation_cache),
+              # a tiny model's programs too, which compile in well under jax's default threshold of a second
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+              XLA_FLAGS=" ".join([*others, f"--xla_force_host_platform_device_count={devices}"]))
 
 
 def run_one(command: list[str], workdir: Path, devices: int) -> dict:
@@ -126,7 +132,8 @@ def run_one(command: list[str], workdir: Path, devices: int) -> dict:
   marker_path.write_text(json.dumps(marker, indent=1))
   started = time.perf_counter()
   with open(workdir / "train.log", "a") as log:
-    process = subprocess.Popen(command, cwd=ROOT, env=device_env(devices), stdout=log, stderr=log)
+    process = subprocess.Popen(command, cwd=ROOT, env=device_env(devices, workdir.parent / COMPILATION_CACHE),
+                               stdout=log, stderr=log)
     _, status, usage = os.wait4(process.pid, 0)  # the child's own peak host memory comes with it
   marker.update(finished=os.waitstatus_to_exitcode(status) == 0, seconds=time.perf_counter() - started,
                 max_rss_mib=usage.ru_maxrss / 1024)

@@ -192,3 +192,16 @@ def test_a_cumulative_recipe_compares_each_row_with_the_one_before(tmp_path):
   assert second["p (paired t)"] == f"{0.015092344138614103:.3g}"  # against the first, as above
   # The third moved every seed by -0.2 from the second: no spread, and p = 0 (a certain difference).
   assert last["vs previous row, ± 95% CI"] == "-0.2000 ± 0.0000" and last["p < 0.05"] == "yes"
+
+
+def test_runs_that_differ_in_their_seed_share_one_compiled_step(tmp_path):
+  recipe = Recipe("t", "", seeds=(0, 1), fixed={"steps": 2, "eval_every": 0, "sample_tokens": 0,
+                                                 "checkpoint.every": 0, "model.num_layers": 1})
+  cache = tmp_path / sweep.COMPILATION_CACHE
+  entries = []
+  for fields in recipe.runs():
+    workdir = tmp_path / sweep.run_name(fields)
+    assert sweep.run_one(sweep.train_command(recipe, fields, workdir), workdir, devices=1)["finished"]
+    entries.append({p.name for p in cache.iterdir() if p.name.startswith("jit_train_step")})
+  # The first run compiled its step into the sweep's cache; the second, another seed, found it there.
+  assert len(entries[0]) == 1 and entries[1] == entries[0]
