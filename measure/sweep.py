@@ -387,9 +387,10 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
 
 def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
   """A recipe's caption, table and figure and the command that made them, as docs/<recipe>.md and --page hold them."""
-  seeds = (f"Each cell over seeds {', '.join(map(str, recipe.seeds))} ({recipe.seed_field}), against the "
-           "baseline cell seed by seed (paired t-test); the runs' own rows are the sweep's results.md.\n\n"
-           if len(recipe.seeds) > 1 else "")
+  against = "the row before it" if recipe.cumulative else "the baseline cell"
+  seeds = (f"Each cell over {len(recipe.seeds)} runs, `{recipe.seed_field}` = {', '.join(map(str, recipe.seeds))}, "
+           f"compared with {against} seed by seed (paired t-test); each run's own row is in the sweep's results.md."
+           "\n\n" if len(recipe.seeds) > 1 else "")
   return (f"*`{recipe.name}`*: {recipe.question}\n\n{seeds}{table}\n![{recipe.name}]({figure})\n\n"
           f"Made by `{command}` (jax {metadata.version('jax')}, a host with {os.cpu_count()} CPU cores).\n")
 
