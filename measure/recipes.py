@@ -153,14 +153,14 @@ RECIPES = {r.name: r for r in [
                   {"moe.bias_rate": 0.0, "moe.balance_weight": 0.01},
                   {"moe.bias_rate": 0.001, "moe.balance_weight": 0.0},
                   {"moe.bias_rate": 0.01, "moe.balance_weight": 0.0}),
-           seeds=(0, 1), config="configs/deepseek.py:deepseek3_tiny",
+           seeds=FIVE_SEEDS, config="configs/deepseek.py:deepseek3_tiny",
            fixed={**SHORT_RUN, "moe.first_dense": 0, "moe.dense_width": 0}, expert_balance=True),
     # DeepSeek-V3's tiny shape as configured (a dense first layer, bias balancing), its modules weighted 0.3.
     Recipe("mtp",
            "Multi-token prediction against next-token prediction alone at equal tokens: DeepSeek-V3's one module, "
            "and two; the validation loss is the next token's in every run.",
            cases=({"model.mtp_depth": 0}, {"model.mtp_depth": 1}, {"model.mtp_depth": 2}),
-           seeds=(0, 1, 2), config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN),
+           seeds=FIVE_SEEDS, config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN),
     Recipe("speedrun",
            "The modded-nanogpt speedrun's ideas added one at a time to the tiny GPT-2 at equal tokens: ReLU-squared, "
            "zero-initialised output projections, logits soft-capped at 15, then Muon.",

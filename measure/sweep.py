@@ -63,6 +63,7 @@ def run_name(fields: dict) -> str:
 
 MATCHES = ("tokens", "flops")
 SMOOTHING = 3  # logged train losses averaged where tokens-to-target is read
+BALANCE_COLUMNS = ("load CV", "E x sum f P")  # expert_balance's
 
 
 def run_config(recipe: Recipe, fields: dict, workdir: Path):
@@ -187,10 +188,10 @@ def expert_balance(workdir: Path) -> dict:
   train, _ = read_metrics(workdir)
   late = train[len(train) // 2:]
   if not late or "moe_balance_loss" not in late[0]:
-    return {"load CV": "", "E x sum f P": ""}
+    return dict.fromkeys(BALANCE_COLUMNS, "")
   loads = [[r[k] for k in r if k.startswith("expert_load/")] for r in late]
   variation = statistics.mean(statistics.pstdev(shares) / statistics.mean(shares) for shares in loads)
-  return {"load CV": f"{variation:.3f}", "E x sum f P": f"{statistics.mean(r['moe_balance_loss'] for r in late):.3f}"}
+  return dict(zip(BALANCE_COLUMNS, (f"{variation:.3f}", f"{statistics.mean(r['moe_balance_loss'] for r in late):.3f}")))
 
 
 def write_tables(rows: list[dict], out: Path, name: str = "results") -> str:
@@ -231,10 +232,13 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
   paired t-test's p-value, whether it is below 0.05, and the seeds an interval of this spread needs to exclude 0;
   with recipe.target_loss, the tokens each cell takes to reach it (tokens_to_target) with their interval."""
   metric = "final val loss" if all(row["final val loss"] for row in rows) else "final train loss"
-  cells = {}
+  cells, cell_rows = {}, {}
   for fields, row in zip(runs, rows):
     key = tuple((k, fields[k]) for k in fields if k != recipe.seed_field)
     cells.setdefault(key, []).append(float(row[metric]))
+    cell_rows.setdefault(key, []).append(row)
+  # The recipe's own columns, which no interval summarises, shown seed by seed.
+  own = [*recipe.columns, *(BALANCE_COLUMNS if recipe.expert_balance else ())]
   base = next(key for key in cells if is_baseline(recipe, dict(key)))
   against = "previous row" if recipe.cumulative else "baseline"
   reached = _tokens_reached(recipe, runs, out) if recipe.target_loss else {}
@@ -244,6 +248,8 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
     row = {k: _shown(v, runs) for k, v in key if k in shown}
     row.update({"seeds": spread.n, f"{metric}, mean ± 95% CI": f"{spread.mean:.4f} ± {spread.half_width:.4f}",
                 "sd": f"{spread.sd:.4f}"})
+    row.update({f"{column}, each seed": " / ".join(str(r[column]) for r in cell_rows[key]) for column in own})
+    row["peak MiB/device"] = " / ".join(dict.fromkeys(r["peak MiB/device"] for r in cell_rows[key]))  # one, mostly
     if recipe.target_loss:
       tokens = [t for t in reached[key] if t is not None]
       within = seed_stats.cell(tokens) if len(tokens) == len(reached[key]) else None
