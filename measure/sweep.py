@@ -226,11 +226,11 @@ def _tokens_reached(recipe: Recipe, runs: list[dict], out: Path) -> dict:
 
 def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[str], out: Path) -> list[dict]:
   """One row per cell (a run's fields but its seed) over its seeds: the final validation loss's mean (the train
-  loss's where the runs are not evaluated) with its 95% confidence interval and standard deviation, and each
-  cell against the baseline cell (a cumulative recipe's: the row before) seed by seed (measure/seed_stats.py): the
-  difference with its interval, the
-  paired t-test's p-value, whether it is below 0.05, and the seeds an interval of this spread needs to exclude 0;
-  with recipe.target_loss, the tokens each cell takes to reach it (tokens_to_target) with their interval."""
+  loss's where the runs are not evaluated) with its 95% confidence interval and standard deviation, and each cell
+  against the baseline cell (a cumulative recipe's: the row before) seed by seed (measure/seed_stats.py): the
+  difference with its interval, the paired t-test's p-value, whether it is below 0.05, and the seeds an interval of
+  this spread needs to exclude 0; with recipe.target_loss, the tokens each cell takes to reach it
+  (tokens_to_target) with their interval."""
   metric = "final val loss" if all(row["final val loss"] for row in rows) else "final train loss"
   cells, cell_rows = {}, {}
   for fields, row in zip(runs, rows):
@@ -249,7 +249,8 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
     row.update({"seeds": spread.n, f"{metric}, mean ± 95% CI": f"{spread.mean:.4f} ± {spread.half_width:.4f}",
                 "sd": f"{spread.sd:.4f}"})
     row.update({f"{column}, each seed": " / ".join(str(r[column]) for r in cell_rows[key]) for column in own})
-    row["peak MiB/device"] = " / ".join(dict.fromkeys(r["peak MiB/device"] for r in cell_rows[key]))  # one, mostly
+    # The seeds compile the same step: one figure, unless the runs' programs differ.
+    row["peak MiB/device"] = " / ".join(dict.fromkeys(r["peak MiB/device"] for r in cell_rows[key]))
     if recipe.target_loss:
       tokens = [t for t in reached[key] if t is not None]
       within = seed_stats.cell(tokens) if len(tokens) == len(reached[key]) else None
