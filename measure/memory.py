@@ -8,7 +8,7 @@ from measure.sizes import adapted, dims, run_of, stored_table, trained_weights
 from parallel import rules
 from parallel.costs import INT32_BYTES, MASTER_BYTES, Weight, shard_elements
 from parallel.mesh import DATA, EXPERT
-from training import optimizer
+from training import lora, optimizer
 
 
 def memory(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
@@ -41,10 +41,8 @@ def state(run, mesh: dict, weights: list[Weight]) -> dict[str, int]:
 
 
 def frozen_bytes(run):
-  """Bytes per element of each weight as the state stores it: float32, but LoRA's frozen matrices in
-  lora.frozen_dtype (training/lora.py `frozen`)."""
-  narrow = run.lora is not None and run.lora.frozen_dtype == "bfloat16"
-  return lambda w: 2 if narrow and len(w.shape) >= 2 else MASTER_BYTES
+  """Bytes per element of each weight as the state stores it (training/lora.py `frozen_dtype`)."""
+  return lambda w: lora.frozen_dtype(run.lora, len(w.shape)).itemsize
 
 
 # The planner asks the same optimizer of the same weights on thousands of layouts.

@@ -176,7 +176,7 @@ class Checkpoints:
       raise ValueError(f"checkpoint step {step} in {self.directory} has lost {lost}, so it is damaged; it was "
                        f"left untouched: resume from an earlier one with {self.resume_before(step)}.")
     stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
-    wanted = self._on_disk(step, abstract_state)
+    wanted = _on_disk(stored, abstract_state)
     _check_same_shapes(stored, wanted, f"checkpoint step {step} in {self.directory}")
     saved_dtypes = {name: leaf.dtype for name, leaf in _leaves_by_name(stored).items()}
     as_saved = jax.tree_util.tree_map_with_path(
@@ -185,14 +185,6 @@ class Checkpoints:
     state = self._read(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(as_saved)))["state"])
     return state if wanted is abstract_state else self._with_frozen(step, state, frozen)
-
-  def _on_disk(self, step: int, abstract: dict) -> dict:
-    """The entries of `abstract` that checkpoint `step` holds: all but a LoRA run's frozen weights (the params),
-    which a checkpoint written since they were left out lacks."""
-    stored = self._read(step, lambda: self._manager.item_metadata(step)["state"])
-    if FROZEN in stored or FROZEN not in abstract:
-      return abstract
-    return {k: v for k, v in abstract.items() if k != FROZEN}
 
   def _with_frozen(self, step: int, restored: dict, frozen) -> dict:
     """`restored` (a LoRA checkpoint's entries) with the frozen weights `frozen()` gives, refused in one line
@@ -254,7 +246,7 @@ class Checkpoints:
   def restore_weights(self, step: int, abstract: dict, frozen=None) -> dict:
     """Only the entries of the state of `step` that `abstract` names (the params, LoRA's adapters: no optimizer
     state), laid out by its shardings; a LoRA checkpoint's frozen weights are what `frozen()` gives."""
-    wanted = self._on_disk(step, abstract)
+    wanted = _on_disk(self._read(step, lambda: self._manager.item_metadata(step)["state"]), abstract)
     args = ocp.args.PyTreeRestore(item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
                                   partial_restore=True)
     weights = self._read(step, lambda: ocp.PyTreeCheckpointer().restore(self.directory / str(step) / "state",
@@ -375,6 +367,14 @@ def _written_with_a_first_moment(where: str, extra: list[str]) -> str:
           "restore; resume it with a checkout from before c25a3c0 (git checkout c25a3c0~1), or export its "
           "weights with tools/export.py and start from them with --config.init_from=hf:<that directory> in "
           "another --config.workdir.")
+
+
+def _on_disk(stored, abstract: dict) -> dict:
+  """The entries of `abstract` that a checkpoint whose state is `stored` (its metadata) holds: all but a LoRA run's
+  frozen weights (the params), which a checkpoint written since they were left out lacks."""
+  if FROZEN in stored or FROZEN not in abstract:
+    return abstract
+  return {k: v for k, v in abstract.items() if k != FROZEN}
 
 
 def _kept(state: dict) -> dict:

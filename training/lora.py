@@ -58,11 +58,15 @@ def settings(config) -> Lora | None:
               frozen_dtype=config.lora.frozen_dtype)
 
 
+def frozen_dtype(lora: Lora | None, ndim: int):
+  """The dtype a frozen weight of `ndim` axes is stored in: matrices (kernels, embeddings) in lora.frozen_dtype,
+  vectors (norm scales, biases: a small part of the bytes) in float32, as QLoRA keeps them; float32 without LoRA."""
+  return jnp.dtype(lora.frozen_dtype if lora is not None and ndim >= 2 else jnp.float32)
+
+
 def frozen(lora: Lora, params: dict) -> dict:
-  """The frozen parameters' ShapeDtypeStructs: matrices (kernels, embeddings) in `lora.frozen_dtype`, vectors (norm
-  scales, biases: a small part of the bytes) kept in float32, as QLoRA keeps them."""
-  narrow = lambda p: jax.ShapeDtypeStruct(p.shape, lora.frozen_dtype) if p.ndim >= 2 else p
-  return jax.tree.map(narrow, params)
+  """The frozen parameters' ShapeDtypeStructs, each in frozen_dtype."""
+  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, frozen_dtype(lora, p.ndim)), params)
 
 
 def split_axes(axes: tuple) -> tuple[int, int] | None:
