@@ -41,7 +41,7 @@ def coordinate_sizes(width: int, base: int, mup: bool, lr: float, steps: int) ->
   @jax.jit
   def sizes(params, tokens):
     model = nnx.merge(layout.graphdef, params)
-    hidden, _ = model.run_blocks(model.embed_tokens(tokens))
+    hidden, _ = model.run_blocks(model.embed_tokens(tokens), tokens_BT=tokens)
     rms = lambda x: jnp.sqrt(jnp.mean(jnp.square(x)))
     return rms(hidden), rms(model.logits(hidden)[..., :config.model.vocab_size])
 

@@ -12,6 +12,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from model.config import ModelConfig
 from model.layers import matmul, out_projection_std, param, soft_capped, zeros
 from model.placement import constrain, current
+from model.value_embeds import ValueMix, mixed_values
 
 
 ATTENTION_OUT = "attention_out"  # the name remat policies save or offload (model/transformer.py)
@@ -375,15 +376,18 @@ class SelfAttention(nnx.Module):
     self.out_kernel = param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                             std=out_projection_std(cfg))
     self.out_bias = zeros((d,), ("embed",))
+    if cfg.value_embeds:
+      self.value_mix = ValueMix()
     self.cfg = cfg
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None,
-               global_layer=None) -> jax.Array:
+               global_layer=None, value_embed=None) -> jax.Array:
     dtype = self.cfg.dtype
     qkv_BT3NH = matmul("btd,dcnh->btcnh", x_BTD, self.qkv_kernel[...], dtype, self.cfg.fp8)
     qkv_BT3NH = qkv_BT3NH + self.qkv_bias[...].astype(dtype)
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
+    v_BTNH = mixed_values(self, v_BTNH, value_embed)
     out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT, cache, global_layer)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

@@ -29,6 +29,12 @@ class ModelConfig:
   recompute_activation: bool = False  # GELU / SiLU recomputed from their inputs in the backward pass
   activation: str = ""  # the feed-forward activation; "": the family's own (GPT-2 tanh-GELU, Llama SiLU)
   zero_init_out: bool = False  # the attention's output and the MLP's down projections start at zero
+  # U-net skips (model/unet.py): unit j of the stack's second half adds, times a learned weight, the output of unit
+  # H-1-j of its first half (modded-nanogpt); needs an even number of units
+  unet_skips: bool = False
+  # k > 0: k token tables of value width (model/value_embeds.py); the first k layers and the last k mix table i's
+  # rows into their values, each by two learned weights (modded-nanogpt: 3); 0: off
+  value_embeds: int = 0
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
@@ -210,6 +216,11 @@ class ModelConfig:
                        f"{self.attention_softcap}): JAX's cuDNN attention takes no cap; use model.attention=auto or xla.")
     if self.mtp_depth:
       self._check_mtp()
+    if self.unet_skips and self.num_units % 2:
+      raise ValueError(f"model.unet_skips pairs the first half of the stack's units with the second, but it has "
+                       f"{self.num_units} units; use an even model.num_layers (or units of moe.every layers).")
+    if self.value_embeds:
+      self._check_value_embeds()
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
@@ -252,6 +263,16 @@ class ModelConfig:
     if not (math.isfinite(self.mtp_weight) and self.mtp_weight > 0):
       raise ValueError(f"model.mtp_weight={self.mtp_weight} must be a finite weight > 0 on the prediction modules' "
                        "loss (DeepSeek-V3: 0.3, later 0.1); set model.mtp_depth=0 for no modules.")
+
+  def _check_value_embeds(self):
+    if not 0 < self.value_embeds <= self.num_layers // 2:
+      raise ValueError(f"model.value_embeds={self.value_embeds} must be a number of tables from 1 to half of "
+                       f"model.num_layers={self.num_layers} (the first and the last layers use one each; "
+                       "modded-nanogpt: 3 of 12), or 0 for none.")
+    if self.layers_per_unit > 1 or self.moe_first_dense or self.mla_kv_rank:
+      raise ValueError(f"model.value_embeds={self.value_embeds} is built for a stack of single blocks whose "
+                       "attention projects values: not for moe.every > 1, moe.first_dense or mla.kv_rank; turn one "
+                       "of them off.")
 
   def _check_global_every(self):
     if self.global_every < 1:

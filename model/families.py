@@ -29,7 +29,9 @@ class Family:
   def build(self, cfg, rngs: nnx.Rngs) -> nnx.Module:
     # Imported by name when built: the model files import model/config.py, which checks names against FAMILIES.
     file, name = self.model.split(".")
-    return getattr(importlib.import_module(f"model.{file}"), name)(cfg, rngs)
+    model = getattr(importlib.import_module(f"model.{file}"), name)(cfg, rngs)
+    model.add_value_tables(rngs)  # drawn after the family's own weights, which then start as without them
+    return model
 
 
 _LLAMA = Family("llama.Llama", norm_eps=1e-6, activation="silu", gated_mlp=True, biases=False, tied_head=False,

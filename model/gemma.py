@@ -70,9 +70,9 @@ class Block(nnx.Module):
     self.mlp = Mlp(cfg, rngs)
     self.post_norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None, value_embed=None):
     attended_BTD = self.post_norm_attn(self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache,
-                                                 global_layer))
+                                                 global_layer, value_embed))
     x_BTD = constrain(x_BTD + attended_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + self.post_norm_mlp(y_BTD), stats

@@ -22,8 +22,8 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None,
-               global_layer=None) -> jax.Array:
-    x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T, segments_BT, cache, global_layer)
+               global_layer=None, value_embed=None) -> jax.Array:
+    x_BTD = x_BTD + self.attn(self.ln_attn(x_BTD), positions_T, segments_BT, cache, global_layer, value_embed)
     x_BTD = constrain(x_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.ln_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import unet, value_embeds
 from model.attention import blockwise_attention, per_layer_window
 from model.config import ModelConfig
 from model.placement import constrain
@@ -95,22 +96,40 @@ class LayerCache:
 
 
 def forward_cached(model, tokens_BT, positions_T, cache: dict):
-  """Logits for `tokens_BT` at contiguous `positions_T`, attending over the cache; returns (logits, cache)."""
-  x_BTD = model.embed_tokens(tokens_BT, positions_T)
+  """Logits for `tokens_BT` at contiguous `positions_T`, attending over the cache; returns (logits, cache).
 
-  def unit(x_BTD, block, k_lBSKH, v_lBSKH, kinds):
+  The new tokens' value rows (model.value_embeds) and the U-net's skips (model.unet_skips) enter as in training.
+  """
+  x_BTD = model.embed_tokens(tokens_BT, positions_T)
+  value_rows = model.value_rows(tokens_BT)
+
+  def unit(x_BTD, block, k_lBSKH, v_lBSKH, kinds, skip, keep_outputs=False):
+    x_BTD = unet.with_skip(x_BTD, skip)
     caches = [LayerCache(k_BSKH, v_BSKH) for k_BSKH, v_BSKH in zip(k_lBSKH, v_lBSKH)]
     for layer, layer_cache in zip(block.layers if isinstance(block, Unit) else [block], caches, strict=True):
       # a MoE layer's router statistics are not needed
-      x_BTD, _ = layer(x_BTD, positions_T, cache=layer_cache, **kinds)
+      x_BTD, _ = layer(x_BTD, positions_T, cache=layer_cache, **value_embeds.block_kinds(kinds, value_rows))
     k_lBSKH, v_lBSKH = jnp.stack([c.k_BSKH for c in caches]), jnp.stack([c.v_BSKH for c in caches])
-    return constrain(x_BTD, ACTIVATION_AXES), (k_lBSKH, v_lBSKH)
+    x_BTD = constrain(x_BTD, ACTIVATION_AXES)
+    return x_BTD, ((k_lBSKH, v_lBSKH, x_BTD) if keep_outputs else (k_lBSKH, v_lBSKH))
 
-  run = lambda x_BTD, blocks, k, v, kinds: nnx.scan(unit, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0))(
-      x_BTD, blocks, k, v, kinds)
+  def run(x_BTD, blocks, k, v, kinds, skips=None, keep_outputs=False):
+    scanned = nnx.scan(lambda *args: unit(*args, keep_outputs), in_axes=(nnx.Carry, 0, 0, 0, 0, 0),
+                       out_axes=(nnx.Carry, 0))
+    x_BTD, ys = scanned(x_BTD, blocks, k, v, kinds, skips)
+    return (x_BTD, ys[:2], ys[2]) if keep_outputs else (x_BTD, ys)
+
   cache = dict(cache)
   if model.cfg.moe_first_dense:
     x_BTD, (cache["dense_k"], cache["dense_v"]) = run(x_BTD, getattr(model, DENSE_STACKED), cache["dense_k"],
                                                      cache["dense_v"], {})
-  x_BTD, (cache["k"], cache["v"]) = run(x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))
+  if model.cfg.unet_skips:
+    graphdef, state = nnx.split(model.blocks)
+    in_half = lambda x_BTD, per_unit, skips, keep_outputs: run(
+        x_BTD, nnx.merge(graphdef, per_unit[0]), *per_unit[1:], skips, keep_outputs)
+    x_BTD, (cache["k"], cache["v"]) = unet.in_halves(in_half, x_BTD, (state, cache["k"], cache["v"],
+                                                                      layer_kinds(model.cfg)),
+                                                     getattr(model, unet.UNET).scale[...])
+  else:
+    x_BTD, (cache["k"], cache["v"]) = run(x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))
   return model.logits(x_BTD), cache

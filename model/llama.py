@@ -11,6 +11,7 @@ from model.moe import MoE
 from model.placement import constrain
 from model.rotary import rotary
 from model.transformer import ACTIVATION_AXES, LanguageModel, embedding_rows, feed_forward
+from model.value_embeds import ValueMix, mixed_values
 
 
 class Attention(nnx.Module):
@@ -23,6 +24,8 @@ class Attention(nnx.Module):
     self.v_kernel = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
     self.out_kernel = param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                             std=out_projection_std(cfg))
+    if cfg.value_embeds:
+      self.value_mix = ValueMix()
     self.cfg = cfg
 
   def project(self, x_BTD):
@@ -32,9 +35,10 @@ class Attention(nnx.Module):
             matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8),
             matmul("btd,dkh->btkh", x_BTD, self.v_kernel[...], dtype, cfg.fp8))
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None, value_embed=None):
     cfg = self.cfg
     q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
+    v_BTKH = mixed_values(self, v_BTKH, value_embed)
     q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg, global_layer), ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg, global_layer), ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))
@@ -53,8 +57,8 @@ class Block(nnx.Module):
     self.norm_mlp = RMSNorm(cfg.embed_dim, cfg.epsilon)
     self.mlp = MoE(cfg, rngs) if moe else Mlp(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
-    attended_BTD = self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache, global_layer)
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None, value_embed=None):
+    attended_BTD = self.attn(self.norm_attn(x_BTD), positions_T, segments_BT, cache, global_layer, value_embed)
     x_BTD = constrain(x_BTD + attended_BTD, ACTIVATION_AXES)
     y_BTD, stats = feed_forward(self.mlp, self.norm_mlp, x_BTD, positions_T)
     return x_BTD + y_BTD, stats

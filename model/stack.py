@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from model import unet, value_embeds
 from model.attention import ATTENTION_OUT
 from model.config import ModelConfig
 from model.placement import constrain
@@ -60,11 +61,15 @@ class Unit(nnx.Module):
 def layer_kinds(cfg: ModelConfig, units_L=None) -> dict:
   """What a block needs to know of its place in the stack, as keyword arguments for the units `units_L` (the
   stack's own order when None), each a per-unit array for a scan: with model.global_every, `global_layer`,
-  whether the layer attends over the whole causal context (model/attention.py `attention`); {} otherwise."""
-  if not cfg.global_every:
-    return {}
+  whether the layer attends over the whole causal context (model/attention.py `attention`); with
+  model.value_embeds, the layer's table (model/value_embeds.py, which block_kinds turns into rows)."""
   units_L = jnp.arange(cfg.num_units) if units_L is None else units_L
-  return {"global_layer": jnp.asarray(cfg.global_layers)[units_L]}
+  kinds = {}
+  if cfg.global_every:
+    kinds["global_layer"] = jnp.asarray(cfg.global_layers)[units_L]
+  if cfg.value_embeds:
+    kinds[value_embeds.TABLE] = jnp.asarray(value_embeds.layer_tables(cfg))[units_L]
+  return kinds
 
 
 def dense_layers_config(cfg: ModelConfig) -> ModelConfig:
@@ -91,20 +96,25 @@ def stack_of(make_unit, rngs: nnx.Rngs, count: int):
   return make(rngs)
 
 
-def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None, units_L=None):
+def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, live_L=None, units_L=None, *,
+                value_rows=None, skips=None, keep_outputs=False):
   """Run the stacked units in order with nnx.scan, under the configured remat policy.
 
-  Returns the output and each unit's router statistics stacked on a leading axis ({} when dense).
-  With `live_L`, a unit where it is False is skipped (lax.cond: no work), its statistics zero: the
-  slots beyond a shorter pipeline chunk's units (parallel/stages.py). `units_L` says which of the model's
-  units the stacked ones are (a pipeline stage's share; layer_kinds), the whole stack in order when None.
+  Returns the output and each unit's router statistics stacked on a leading axis ({} when dense), and with
+  `keep_outputs` each unit's output stacked as well (what model/unet.py's second half adds back; `skips`, one
+  per unit, is what it adds). With `live_L`, a unit where it is False is skipped (lax.cond: no work), its
+  statistics zero: the slots beyond a shorter pipeline chunk's units (parallel/stages.py). `units_L` says which
+  of the model's units the stacked ones are (a pipeline stage's share, a U-net half; layer_kinds), the whole
+  stack in order when None. `value_rows` are model.value_embeds' rows for the tokens (LanguageModel.value_rows).
   """
 
-  def apply_block(x_BTD, block, positions_T, segments_BT, kinds):
+  def apply_block(x_BTD, block, positions_T, segments_BT, value_rows, kinds, skip):
     # Named so that every use inside the block reads the named value: under full_offload the
     # host copy is then the block's only residual, and the device copy dies with the forward pass.
-    x_BTD, stats = block(checkpoint_name(x_BTD, BLOCK_INPUT), positions_T, segments_BT, **kinds)
-    return constrain(x_BTD, ACTIVATION_AXES), stats
+    x_BTD = checkpoint_name(unet.with_skip(x_BTD, skip), BLOCK_INPUT)
+    x_BTD, stats = block(x_BTD, positions_T, segments_BT, **value_embeds.block_kinds(kinds, value_rows))
+    x_BTD = constrain(x_BTD, ACTIVATION_AXES)
+    return x_BTD, ((stats, x_BTD) if keep_outputs else stats)
 
   if cfg.remat != "none":
     apply_block = nnx.remat(apply_block, policy=CHECKPOINT_POLICIES[cfg.remat], prevent_cse=False)
@@ -113,18 +123,21 @@ def scan_blocks(blocks, x_BTD, positions_T, cfg: ModelConfig, segments_BT=None, 
   if live:
     apply_block = _unless_dead(apply_block)
   if cfg.scan_layers:
-    scanned = nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, 0, *[0] * len(live)), out_axes=(nnx.Carry, 0))
-    return scanned(x_BTD, blocks, positions_T, segments_BT, kinds_L, *live)
-  # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
-  # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
-  # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
-  stats = []
-  for unit in range(jax.tree.leaves(nnx.state(blocks))[0].shape[0]):
-    x_BTD, unit_stats = apply_block(x_BTD, unit_of(blocks, unit),
-                                    positions_T, segments_BT, jax.tree.map(lambda k_L: k_L[unit], kinds_L),
-                                    *(l_L[unit] for l_L in live))
-    stats.append(unit_stats)
-  return x_BTD, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
+    scanned = nnx.scan(apply_block, in_axes=(nnx.Carry, 0, None, None, None, 0, 0, *[0] * len(live)),
+                       out_axes=(nnx.Carry, 0))
+    x_BTD, ys = scanned(x_BTD, blocks, positions_T, segments_BT, value_rows, kinds_L, skips, *live)
+  else:
+    # Unrolled: each unit's parameters sliced off the stack. The scan writes each layer's residuals into
+    # buffers stacked over the layers, slice by slice; straight-line code can keep them as separate arrays
+    # (whether that is faster on a GPU is unmeasured: BENCHMARKS.md's history).
+    per_unit = []
+    for unit in range(jax.tree.leaves(nnx.state(blocks))[0].shape[0]):
+      at_unit = lambda tree: jax.tree.map(lambda a_L: a_L[unit], tree)
+      x_BTD, unit_ys = apply_block(x_BTD, unit_of(blocks, unit), positions_T, segments_BT, value_rows,
+                                   at_unit(kinds_L), at_unit(skips), *(l_L[unit] for l_L in live))
+      per_unit.append(unit_ys)
+    ys = jax.tree.map(lambda *units: jnp.stack(units), *per_unit)
+  return (x_BTD, *ys) if keep_outputs else (x_BTD, ys)
 
 
 def unit_of(stacked_module, index: int):
@@ -136,9 +149,10 @@ def unit_of(stacked_module, index: int):
 def _unless_dead(apply_block):
   """apply_block taking a `live` flag last: the block where it is True; where False (lax.cond: no work)
   the input passed on and zero statistics."""
-  def apply(x_BTD, block, positions_T, segments_BT, kinds, live):
+  def apply(x_BTD, block, positions_T, segments_BT, value_rows, kinds, skip, live):
     graphdef, state = nnx.split(block)
-    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT, kinds)
+    run = lambda x_BTD, state: apply_block(x_BTD, nnx.merge(graphdef, state), positions_T, segments_BT, value_rows,
+                                           kinds, skip)
     dead = lambda x_BTD, state: (x_BTD, jax.tree.map(_zeros_as, jax.eval_shape(run, x_BTD, state)[1]))
     return jax.lax.cond(live, run, dead, x_BTD, state)
   return apply

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import mtp
+from model import mtp, unet
 from model.config import ModelConfig
-from model.layers import soft_capped
+from model.layers import soft_capped, vocab_param
 from model.moe import AUX_LOSS, LOADS, MoE, summarize
 from model.placement import constrain, current, placed, shard_count
 from model.stack import ACTIVATION_AXES, DENSE_STACKED, STACKED, dense_layers_config, scan_blocks, stacked
+from model.value_embeds import VALUE_EMBEDS
 
 
 def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
@@ -31,7 +32,7 @@ def embedding_rows(table_VD, tokens_BT, cfg: ModelConfig):
   do, which is why plain ZeRO-3 keeps the sharded lookup.
   """
   if cfg.gathered_lookup:
-    table_VD = constrain(table_VD, ("vocab", None))
+    table_VD = constrain(table_VD, ("vocab",) + (None,) * (table_VD.ndim - 1))
   return _rows_in(table_VD, tokens_BT, cfg.dtype)
 
 
@@ -208,7 +209,9 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
-  stacks = nnx.Any(nnx.PathContains(STACKED), nnx.PathContains(DENSE_STACKED), nnx.PathContains(mtp.MTP))
+  # Whatever the head does not read goes with the stack, which gets no gradient here: in `head`, each would be
+  # carried through the chunks as a running sum of zeros.
+  stacks = nnx.Any(*(nnx.PathContains(name) for name in (STACKED, DENSE_STACKED, mtp.MTP, VALUE_EMBEDS, unet.UNET)))
   graphdef, stack, head = nnx.split(model, stacks, ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
 
@@ -306,13 +309,33 @@ class LanguageModel(nnx.Module):
 
   def stack_blocks(self, block_class, rngs: nnx.Rngs):
     """The scanned stack `self.blocks`; before it, with moe.first_dense, the dense layers' own stack; after it,
-    with model.mtp_depth, the multi-token prediction modules (model/mtp.py)."""
-    if self.cfg.moe_first_dense:
-      setattr(self, DENSE_STACKED, stacked(block_class, dense_layers_config(self.cfg), rngs,
-                                           units=self.cfg.moe_first_dense))
-    self.blocks = stacked(block_class, self.cfg, rngs)
-    if self.cfg.mtp_depth:
-      setattr(self, mtp.MTP, mtp.prediction_modules(block_class, self.cfg, rngs))
+    with model.mtp_depth, the multi-token prediction modules (model/mtp.py); model.unet_skips' weights
+    (model/unet.py)."""
+    cfg = self.cfg
+    if cfg.moe_first_dense:
+      setattr(self, DENSE_STACKED, stacked(block_class, dense_layers_config(cfg), rngs, units=cfg.moe_first_dense))
+    self.blocks = stacked(block_class, cfg, rngs)
+    if cfg.mtp_depth:
+      setattr(self, mtp.MTP, mtp.prediction_modules(block_class, cfg, rngs))
+    if cfg.unet_skips:
+      setattr(self, unet.UNET, unet.SkipWeights(cfg.num_units))
+
+  def add_value_tables(self, rngs: nnx.Rngs):
+    """model.value_embeds' tables (model/value_embeds.py), if set; model/families.py draws them after every other
+    weight of the family, which then starts as it would without them."""
+    cfg = self.cfg
+    if cfg.value_embeds:
+      shape = (cfg.value_embeds, cfg.padded_vocab, cfg.num_kv_heads, cfg.head_dim)
+      setattr(self, VALUE_EMBEDS, vocab_param(rngs, shape, (None, "vocab", "kv_heads", "head_dim"), cfg.vocab_size))
+
+  def value_rows(self, tokens_BT):
+    """model.value_embeds' rows for the tokens, [tables, B, T, kv_heads, head_dim] in the compute dtype; None
+    without value embeddings."""
+    if not self.cfg.value_embeds:
+      return None
+    tables = getattr(self, VALUE_EMBEDS)[...]
+    rows = jnp.stack([embedding_rows(tables[i], tokens_BT, self.cfg) for i in range(self.cfg.value_embeds)])
+    return constrain(rows, (None, "batch", "length", "kv_heads", "head_dim"))
 
   def head_output(self, x_BTD):
     """The head's logits for the stack's output: the final norm, then the head (head_logits)."""
@@ -322,19 +345,37 @@ class LanguageModel(nnx.Module):
     """Float32 logits, the vocabulary's padding masked."""
     return masked_vocab(self.head_output(x_BTD), self.cfg)
 
-  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None, live_L=None, units_L=None):
+  def run_blocks(self, x_BTD, positions_T=None, segments_BT=None, live_L=None, units_L=None, tokens_BT=None):
     """The stack's output and its router statistics (model/moe.py `summarize`; {} when dense); `live_L`
-    skips the units where it is False and `units_L` names the stacked units (scan_blocks)."""
+    skips the units where it is False and `units_L` names the stacked units (scan_blocks). `tokens_BT`, the
+    tokens `x_BTD` embeds, only model.value_embeds reads (and needs); with model.unet_skips the stack runs in two
+    halves (model/unet.py). parallel/checks.py keeps pipelines off both, and off moe.first_dense's stack: every
+    stage would run these."""
+    cfg = self.cfg
     positions_T = jnp.arange(x_BTD.shape[1]) if positions_T is None else positions_T
-    if self.cfg.moe_first_dense:  # parallel/checks.py keeps pipelines off it: every stage would run these
-      x_BTD, _ = scan_blocks(getattr(self, DENSE_STACKED), x_BTD, positions_T, dense_layers_config(self.cfg),
-                             segments_BT)
-    x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, self.cfg, segments_BT, live_L, units_L)
+    if cfg.value_embeds and tokens_BT is None:
+      raise ValueError(f"model.value_embeds={cfg.value_embeds} mixes rows for the tokens into the values, but the "
+                       "stack was run without them; pass run_blocks its tokens_BT.")
+    value_rows = self.value_rows(tokens_BT)
+    if cfg.moe_first_dense:
+      x_BTD, _ = scan_blocks(getattr(self, DENSE_STACKED), x_BTD, positions_T, dense_layers_config(cfg), segments_BT)
+    if not cfg.unet_skips:
+      x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, cfg, segments_BT, live_L, units_L,
+                                 value_rows=value_rows)
+      return x_BTD, summarize(stats)
+    graphdef, state = nnx.split(self.blocks)
+
+    def run(x_BTD, per_unit, skips, keep_outputs):
+      state, units_L = per_unit
+      return scan_blocks(nnx.merge(graphdef, state), x_BTD, positions_T, cfg, segments_BT, units_L=units_L,
+                         value_rows=value_rows, skips=skips, keep_outputs=keep_outputs)
+
+    x_BTD, stats = unet.in_halves(run, x_BTD, (state, jnp.arange(cfg.num_units)), getattr(self, unet.UNET).scale[...])
     return x_BTD, summarize(stats)
 
   def predict(self, tokens_BT):
     """Float32 next-token logits for every position of in-order tokens."""
-    return self.logits(self.run_blocks(self.embed_tokens(tokens_BT))[0])
+    return self.logits(self.run_blocks(self.embed_tokens(tokens_BT), tokens_BT=tokens_BT)[0])
 
   def head_loss(self, x_BTD, targets_BT, weights_BT=None, normalized=False):
     return chunked_cross_entropy(self, x_BTD, targets_BT, weights_BT, normalized)
@@ -349,7 +390,8 @@ class LanguageModel(nnx.Module):
     """
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
     segments_BT, embed_positions = packed_documents(tokens_BT, positions_T, self.cfg.document_end)
-    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT)
+    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, embed_positions), positions_T, segments_BT,
+                                   tokens_BT=tokens_BT)
     loss = self.head_loss(x_BTD, targets_BT, weights_BT)
     objective, stats = loss + stats.get(AUX_LOSS, 0.0), {"cross_entropy": loss, **stats}
     if self.cfg.mtp_depth:
@@ -369,7 +411,7 @@ class LanguageModel(nnx.Module):
     """(each position's log-probability of its target, float32 [B, T], the logits over `temperature`; router
     statistics). Each row is one sequence: no packed documents."""
     positions_T = jnp.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, positions_T), positions_T)
+    x_BTD, stats = self.run_blocks(self.embed_tokens(tokens_BT, positions_T), positions_T, tokens_BT=tokens_BT)
     return token_log_probs(self, x_BTD, targets_BT, temperature), stats
 
   def __call__(self, tokens_BT, targets_BT, positions_T=None):

@@ -55,6 +55,12 @@ def check_divides(model: ModelConfig, shape: dict[str, int], *, batch_size: int,
     if model.moe_first_dense:
       raise ValueError(f"moe.first_dense={model.moe_first_dense}: the dense layers are a stack of their own, "
                        "which meshlm's pipelines do not split into stages yet; train them on mesh.pipeline=1.")
+    speedrun = {"model.unet_skips": model.unet_skips, "model.value_embeds": model.value_embeds}
+    for option, value in speedrun.items():
+      if value:
+        raise ValueError(f"{option}={value}: its layers read values that other pipeline stages hold (the U-net's "
+                         "earlier outputs, the tokens' value rows), which meshlm's pipelines do not pass between "
+                         "stages; train it on mesh.pipeline=1.")
     if model.mtp_depth:
       raise ValueError(f"model.mtp_depth={model.mtp_depth}: the prediction modules read the last stage's output "
                        "and the first stage's embedding, which meshlm's pipelines do not bring together yet; train "

@@ -1,6 +1,7 @@
 """The modded-nanogpt speedrun's model options, off by default, any family: ReLU-squared in the MLP
-(model.activation=relu2) and zero-initialised output projections (model.zero_init_out). Each computes what it says,
-and a run with both trains on data x tensor and under ZeRO-3 as on one device."""
+(model.activation=relu2), zero-initialised output projections (model.zero_init_out), U-net skips across the stack
+(model.unet_skips) and value embeddings (model.value_embeds). Each computes what it says, and a run with all four
+trains on data x tensor and under ZeRO-3 as on one device."""
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,12 @@ from interop import hf_mapping
 from model.config import ACTIVATION_NAMES
 from model.layers import ACTIVATIONS
 from model.mlp import Mlp
-from training.state import build_model, model_config
+from model.stack import unit_of
+from model.value_embeds import layer_tables
+from training.state import build_model, model_config, plan
 
-SPEEDRUN = {"model.activation": "relu2", "model.zero_init_out": True}
+SPEEDRUN = {"model.activation": "relu2", "model.zero_init_out": True, "model.unet_skips": True,
+            "model.value_embeds": 1}
 # The zeroed projections, and through them the weights before them, take their first updates from gradients near
 # zero, which Adam normalises: the layouts' summation-order differences (1e-7 relative) reach 2.5e-5 of a weight's
 # largest entry after three steps (measured), as LoRA's B, which starts at zero, does (tests/test_lora.py). A layout
@@ -83,3 +87,68 @@ def test_an_unknown_activation_is_refused_and_relu2_is_not_exported_as_gelu():
                                        "own gelu"):
     hf_mapping.hf_config(model_config(tiny_config(**SPEEDRUN)), tied=True)
   assert jnp.array_equal(ACTIVATIONS["relu2"](jnp.array([-2.0, 3.0])), jnp.array([0.0, 9.0]))
+
+
+def _built(**options):
+  cfg = model_config(tiny_config(**options))
+  with nnx.use_eager_sharding(False):
+    return build_model(cfg, 0)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_unet_skips_add_the_first_halfs_outputs_back_in_reverse(scan_layers):
+  model = _built(**{"model.num_layers": 4, "model.unet_skips": True, "model.scan_layers": scan_layers})
+  model.unet.scale[...] = jnp.array([0.7, -1.3])
+  x = jax.random.normal(jax.random.key(1), (2, 8, model.cfg.embed_dim))
+  block = lambda i, x: unit_of(model.blocks, i)(x, jnp.arange(8))[0]
+  h0 = block(0, x)
+  h1 = block(1, h0)
+  h2 = block(2, h1 + 0.7 * h1)  # the second half's first unit takes the first half's last output
+  expected = block(3, h2 - 1.3 * h0)
+  np.testing.assert_allclose(model.run_blocks(x)[0], expected, rtol=1e-5, atol=1e-5)
+  assert np.abs(block(3, block(2, h1)) - expected).max() > 1e-2  # the skips change the output
+
+
+def test_value_embeddings_name_the_first_and_last_layers_tables():
+  cfg = lambda layers, k: model_config(tiny_config(**{"model.num_layers": layers, "model.value_embeds": k}))
+  assert layer_tables(cfg(12, 3)) == (0, 1, 2, -1, -1, -1, -1, -1, -1, 0, 1, 2)  # modded-nanogpt's pattern
+  assert layer_tables(cfg(2, 1)) == (0, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_value_embeddings_mix_the_tokens_rows_into_the_values(family):
+  options = {**FAMILIES[family], "model.num_layers": 3}
+  model, plain = _built(**options, **{"model.value_embeds": 1}), _built(**options)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, model.cfg.vocab_size)
+  loss = lambda model: float(model(tokens[:, :-1], tokens[:, 1:]))
+  tables = model.value_embeds[...]
+  np.testing.assert_array_equal(model.value_rows(tokens)[0], tables[0][tokens])
+  mix = model.blocks.attn.value_mix.scale
+  assert abs(loss(model) - loss(plain)) > 1e-4  # (1/2, 1/2) at the start: the rows change the loss
+  mix[...] = jnp.array([[1.0, 0.0], [7.0, 7.0], [1.0, 0.0]])  # layer 1 has no table: its weights go unread
+  assert loss(model) == pytest.approx(loss(plain), abs=1e-6)  # every other weight drawn as without the tables
+  model.value_embeds[...] = jnp.zeros_like(tables)
+  mix[...] = jnp.array([[2.0, 5.0], [1.0, 1.0], [1.0, 0.0]])  # zero rows and twice the values in layer 0 ...
+  doubled = _built(**options)
+  kernel = getattr(doubled.blocks.attn, "qkv_kernel" if family == "gpt2" else "v_kernel")
+  if family == "gpt2":
+    kernel[...] = kernel[...].at[0, :, 2].multiply(2.0)
+    doubled.blocks.attn.qkv_bias[...] = doubled.blocks.attn.qkv_bias[...].at[0, 2].multiply(2.0)
+  else:
+    kernel[...] = kernel[...].at[0].multiply(2.0)
+  assert loss(model) == pytest.approx(loss(doubled), abs=1e-5)  # ... are layer 0's value projection doubled
+
+
+def test_the_new_options_refuse_what_they_cannot_do():
+  with pytest.raises(ValueError, match=r"model.unet_skips pairs the first half .* it has 3 units; use an even"):
+    model_config(tiny_config(**{"model.num_layers": 3, "model.unet_skips": True}))
+  with pytest.raises(ValueError, match=r"model.value_embeds=2 must be a number of tables from 1 to half of "
+                                       r"model.num_layers=2"):
+    model_config(tiny_config(**{"model.value_embeds": 2}))
+  with pytest.raises(ValueError, match=r"model.value_embeds=1 is built for a stack of single blocks"):
+    model_config(tiny_config(**{"model.value_embeds": 1, "moe.experts": 4, "moe.every": 2}))
+  for option, value in (("model.unet_skips", True), ("model.value_embeds", 1)):
+    with pytest.raises(ValueError, match=rf"{option}={value}: its layers read values that other pipeline stages hold"):
+      plan(tiny_config(**{option: value, "mesh.pipeline": 2, "pipeline.microbatches": 2}), jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"no transformers architecture for gpt2 has U-net skips or value embeddings"):
+    hf_mapping.hf_config(model_config(tiny_config(**{"model.unet_skips": True})), tied=True)

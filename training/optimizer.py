@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from model import mup
+from model.value_embeds import VALUE_EMBEDS
 from parallel.costs import Weight
 from training import muon, schedule_free
 
@@ -124,6 +125,7 @@ def learning_rate(config) -> optax.Schedule:
 # What a parameter is, from its name: decay is decided by kind, never by rank, because a
 # bias may be stored with several axes (GPT-2's QKV bias is (3, heads, head_dim), a MoE
 # expert's bias (experts, mlp)) and an embedding table is a matrix.
+EMBEDDING_NAMES = ("embed", VALUE_EMBEDS)  # the token tables: model.value_embeds' beside the input embedding
 MATRIX_NAMES = ("router", "head")  # besides every `*kernel`: the MoE router, Llama's untied LM head
 VECTOR_NAMES = ("scale",)  # besides every `*bias`: norm gains
 
@@ -131,7 +133,7 @@ VECTOR_NAMES = ("scale",)  # besides every `*bias`: norm gains
 def parameter_kind(path) -> str:
   """'embedding', 'matrix' or 'vector' for the parameter at tree path `path`; refuses an unknown name."""
   keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-  if keys[0] == "embed":
+  if keys[0] in EMBEDDING_NAMES:
     return "embedding"
   if keys[-1].endswith("kernel") or keys[-1] in MATRIX_NAMES:
     return "matrix"
