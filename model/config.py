@@ -48,6 +48,7 @@ class ModelConfig:
   # scores scaled by 1 / sqrt(this) rather than the head width (Gemma 2's query_pre_attn_scalar); 0: the head width
   attention_scale_width: int = 0
   logit_softcap: float = 0.0  # C > 0: each output logit z as C tanh(z / C) (Gemma 2: 30); 0: off
+  fp8_head: bool = False  # the head's matmul in fp8 at fixed scales (model/fp8.py fixed_scale_einsum; modded-nanogpt)
   # D > 0: D multi-token prediction modules after the stack, the k-th predicting token i+k+1 (model/mtp.py;
   # DeepSeek-V3: 1), their mean cross-entropy added to the objective at mtp_weight (DeepSeek-V3: 0.3, then 0.1)
   mtp_depth: int = 0
@@ -216,6 +217,9 @@ class ModelConfig:
                        f"{self.attention_softcap}): JAX's cuDNN attention takes no cap; use model.attention=auto or xla.")
     if self.mtp_depth:
       self._check_mtp()
+    if self.fp8_head and self.compute_dtype == "float16":
+      raise ValueError("model.fp8_head=True with precision.compute=float16: float16's loss scale (2^15 and more) "
+                       "multiplies the logits' gradient past the fp8 head's fixed scale; use bfloat16 or float32.")
     if self.unet_skips and self.num_units % 2:
       raise ValueError(f"model.unet_skips pairs the first half of the stack's units with the second, but it has "
                        f"{self.num_units} units; use an even model.num_layers (or units of moe.every layers).")

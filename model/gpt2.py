@@ -5,7 +5,7 @@ from flax import nnx
 
 from model.attention import SelfAttention
 from model.config import ModelConfig
-from model.layers import INIT_STD, LayerNorm, matmul, param, vocab_param
+from model.layers import INIT_STD, LayerNorm, head_matmul, matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain
@@ -55,4 +55,5 @@ class GPT2(LanguageModel):
     return self.ln_final(x_BTD)
 
   def head_logits(self, x_BTD):
-    return constrain(matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg.dtype), ("batch", "length", "vocab"))
+    logits_BTV = head_matmul("btd,vd->btv", x_BTD, self.embed.tokens[...], self.cfg)
+    return constrain(logits_BTV, ("batch", "length", "vocab"))

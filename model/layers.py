@@ -8,6 +8,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.fp8 import einsum as fp8_einsum
+from model.fp8 import fixed_scale_einsum, head_scales
 
 INIT_STD = 0.02  # GPT-2's normal init
 
@@ -162,6 +163,14 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, dtype, fp8: bool = False) -> j
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
   return _rounded_einsum(spec, x.astype(dtype), w.astype(dtype))
+
+
+def head_matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """The head's matmul: as `matmul` in the compute dtype (precision.compute=float8 included: its head stays
+  bfloat16), or with model.fp8_head in fp8 at the speedrun's fixed scales (model/fp8.py fixed_scale_einsum)."""
+  if cfg.fp8_head:
+    return fixed_scale_einsum(spec, x.astype(cfg.dtype), w.astype(cfg.dtype), head_scales(cfg.embed_dim))
+  return matmul(spec, x, w, cfg.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

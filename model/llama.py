@@ -4,7 +4,7 @@ from flax import nnx
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.layers import RMSNorm, matmul, out_projection_std, param, vocab_param
+from model.layers import RMSNorm, head_matmul, matmul, out_projection_std, param, vocab_param
 from model.mla import attention_layer
 from model.mlp import Mlp
 from model.moe import MoE
@@ -84,4 +84,4 @@ class Llama(LanguageModel):
     return self.norm_final(x_BTD)
 
   def head_logits(self, x_BTD):
-    return constrain(matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg.dtype), ("batch", "length", "vocab"))
+    return constrain(head_matmul("btd,dv->btv", x_BTD, self.head[...], self.cfg), ("batch", "length", "vocab"))

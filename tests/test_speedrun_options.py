@@ -1,7 +1,7 @@
 """The modded-nanogpt speedrun's model options, off by default, any family: ReLU-squared in the MLP
 (model.activation=relu2), zero-initialised output projections (model.zero_init_out), U-net skips across the stack
-(model.unet_skips) and value embeddings (model.value_embeds). Each computes what it says, and a run with all four
-trains on data x tensor and under ZeRO-3 as on one device."""
+(model.unet_skips), value embeddings (model.value_embeds) and an fp8 head (model.fp8_head). Each computes what it
+says, and a run with all five trains on data x tensor and under ZeRO-3 as on one device."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from flax import nnx
 from helpers import assert_tree_close, params_after_steps, tiny_config
 from interop import hf_mapping
 from model.config import ACTIVATION_NAMES
+from model.fp8 import fixed_scale_einsum, head_scales
 from model.layers import ACTIVATIONS
 from model.mlp import Mlp
 from model.stack import unit_of
@@ -19,7 +20,7 @@ from model.value_embeds import layer_tables
 from training.state import build_model, model_config, plan
 
 SPEEDRUN = {"model.activation": "relu2", "model.zero_init_out": True, "model.unet_skips": True,
-            "model.value_embeds": 1}
+            "model.value_embeds": 1, "model.fp8_head": True}
 # The zeroed projections, and through them the weights before them, take their first updates from gradients near
 # zero, which Adam normalises: the layouts' summation-order differences (1e-7 relative) reach 2.5e-5 of a weight's
 # largest entry after three steps (measured), as LoRA's B, which starts at zero, does (tests/test_lora.py). A layout
@@ -152,3 +153,24 @@ def test_the_new_options_refuse_what_they_cannot_do():
       plan(tiny_config(**{option: value, "mesh.pipeline": 2, "pipeline.microbatches": 2}), jax.devices()[:2])
   with pytest.raises(ValueError, match=r"no transformers architecture for gpt2 has U-net skips or value embeddings"):
     hf_mapping.hf_config(model_config(tiny_config(**{"model.unet_skips": True})), tied=True)
+
+
+def test_the_fp8_head_rounds_each_entry_at_fixed_scales_and_saturates():
+  x = jax.random.normal(jax.random.key(3), (4, 64))
+  w = jax.random.normal(jax.random.key(4), (256, 64)) * 0.02
+  scales = head_scales(64)
+  exact = np.asarray(x @ w.T)
+  fp8 = fixed_scale_einsum("td,vd->tv", x, w, scales)
+  relative = np.abs(fp8 - exact).max() / np.abs(exact).max()
+  assert 1e-3 < relative < 0.1  # E4M3 keeps 3 bits of mantissa: off by a few percent, not exact
+  # Each entry rounds alone: a row's logits do not depend on the other rows (no maximum over the tensor).
+  np.testing.assert_array_equal(fixed_scale_einsum("td,vd->tv", x[:1], w, scales), fp8[:1])
+  huge = fixed_scale_einsum("td,vd->tv", x * 1e4, w, scales)  # past E4M3's 448 x the input's scale: saturated
+  assert np.isfinite(huge).all()
+  d_x, d_w = jax.grad(lambda x, w: fixed_scale_einsum("td,vd->tv", x, w, scales).sum(), argnums=(0, 1))(x, w)
+  # A gradient of ones is exact in E5M2, so each sum is off by the operand's roundings alone: at most half an E4M3
+  # step each, 1/16 of the entry, or half the smallest subnormal step (2^-9 of the scale) below E4M3's normals.
+  rounding = lambda a, unscale: np.abs(a) / 16 + 2.0 ** -10 * unscale
+  assert (np.abs(d_w - x.sum(0)) <= rounding(x, scales[0]).sum(0) + 1e-6).all()
+  assert (np.abs(d_x - w.sum(0)) <= rounding(w, scales[1]).sum(0) + 1e-6).all()
+  assert np.abs(d_w - x.sum(0)).max() > 1e-3  # and rounded: not float32's gradient
