@@ -99,7 +99,7 @@ def _probe_config(model: ModelConfig, remat: str, blockwise: bool, chunked_mlp: 
   dataclasses.replace runs ModelConfig's checks again."""
   return dataclasses.replace(
       model, num_layers=1, num_experts=0, moe_first_dense=0, moe_dense_width=0, global_every=0, local_rope_theta=0.0,
-      mtp_depth=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
+      mtp_depth=0, unet_skips=False, value_embeds=0, max_len=PROBE_POSITIONS, remat=remat, attention="xla",
       attention_block=PROBE_POSITIONS // 2 if blockwise else 2 * PROBE_POSITIONS,
       mlp_chunk=PROBE_POSITIONS // 2 if chunked_mlp else 0, loss_chunk=PROBE_POSITIONS,
       document_end=-1, gathered_lookup=False, **({"recompute_activation": False} if recomputed else {}))
@@ -252,6 +252,10 @@ def activations(run, d: Dims, weights: list[Weight]) -> int:
     # loss keeps the gradients for its input and the head (the custom VJP's residuals, _loss_bytes' last two
     # terms) until the backward pass reaches it.
     modules = run.model.mtp_depth * (saved + d.activation_bytes(d.embed) + d.embed * d.vocab * f32)
+    # The U-net's first half keeps each unit's output for the second half (model/unet.py), and the value tables'
+    # rows for the tokens wait for their layers (model/value_embeds.py); pipelines refuse both.
+    modules += (run.model.unet_skips * run.model.num_units // 2 * d.activation_bytes(d.embed)
+                + run.model.value_embeds * d.activation_bytes(d.kv_heads * d.head_dim))
     return held * saved + modules + max(working, loss)
   stages, micro = mesh[PIPELINE], run.pipeline.microbatches
   # Unequal stages gather each device's chunks whole for the step, in float32, and their gradients beside them

@@ -65,7 +65,8 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
                   "checkpoint.every": 40}
 
 
-WSD_STABLE = "optimizer.name=adamw,schedule.decay=wsd,steps=200,branch_from=,seed=0"  # the wsd recipe's stable run's folder
+# The wsd recipe's stable run's folder, each seed's decays branching from that seed's.
+WSD_STABLE = "optimizer.name=adamw,schedule.decay=wsd,steps=200,branch_from=,seed={seed}"
 
 
 # The speedrun recipe's ideas in the order they are added, each a setting and the baseline's (GPT-2 as configured);
@@ -74,7 +75,10 @@ SPEEDRUN_IDEAS = ((("model.activation", "relu2"), ("model.activation", "gelu")),
                   (("model.zero_init_out", True), ("model.zero_init_out", False)),
                   (("model.logit_softcap", 15.0), ("model.logit_softcap", 0.0)),
                   ((("optimizer.name", "muon"), ("optimizer.lr", 0.01)),
-                   (("optimizer.name", "adamw"), ("optimizer.lr", 0.003))))
+                   (("optimizer.name", "adamw"), ("optimizer.lr", 0.003))),
+                  (("model.unet_skips", True), ("model.unet_skips", False)),
+                  (("model.value_embeds", 1), ("model.value_embeds", 0)),  # the tiny model's 2 layers share one
+                  (("model.fp8_head", True), ("model.fp8_head", False)))
 
 
 def _stacked(ideas, upto: int) -> dict:
@@ -118,7 +122,7 @@ RECIPES = {r.name: r for r in [
     # The decays branch from the first run's checkpoints, which sit in the same sweep folder ({out}).
     Recipe("wsd",
            "Warmup-stable-decay against cosine and schedule-free AdamW at budgets of 80 and 120 steps, WSD's "
-           "decays branched from one 200-step run's stable phase.",
+           "decays branched from one 200-step run's stable phase (each seed's from its own).",
            cases=tuple({"optimizer.name": name, "schedule.decay": decay, "steps": steps, "branch_from": branch}
                        for name, decay, steps, branch in (
                            ("adamw", "wsd", 200, ""), ("adamw", "wsd", 80, f"{{out}}/{WSD_STABLE}:60"),
@@ -126,7 +130,8 @@ RECIPES = {r.name: r for r in [
                            ("adamw", "cosine", 120, ""), ("schedule_free_adamw", "constant", 80, ""),
                            ("schedule_free_adamw", "constant", 120, ""))),
            fixed={**SHORT_RUN, "schedule.decay_steps": 20, "eval_every": 40, "checkpoint.every": 20,
-                  "checkpoint.keep": 10}),
+                  "checkpoint.keep": 10},
+           seeds=FIVE_SEEDS, baseline={"schedule.decay": "cosine", "steps": 120}),
     # Widths grow by heads of 16 with the MLP 4x the width; muP's base is the narrowest (model/mup.py).
     Recipe("mup",
            "Validation loss against the learning rate at three widths: the standard parametrisation's best rate "
@@ -144,7 +149,7 @@ RECIPES = {r.name: r for r in [
            "A small batch, a 4x batch, and the 4x batch as 4 accumulated micro-batches (same math, less memory).",
            cases=({"batch_size": 4, "grad_accum": 1}, {"batch_size": 16, "grad_accum": 1},
                   {"batch_size": 16, "grad_accum": 4}),
-           fixed=SHORT_RUN),
+           fixed=SHORT_RUN, seeds=FIVE_SEEDS, baseline={"batch_size": 16, "grad_accum": 1}),
     # DeepSeek-V3's routing on every layer (configs/deepseek.py): sigmoid scores, groups, a shared expert.
     Recipe("moe_balance",
            "Keeping DeepSeek-style experts balanced: nothing, the auxiliary loss (Switch Transformer's), and "
@@ -163,7 +168,8 @@ RECIPES = {r.name: r for r in [
            seeds=FIVE_SEEDS, config="configs/deepseek.py:deepseek3_tiny", fixed=SHORT_RUN),
     Recipe("speedrun",
            "The modded-nanogpt speedrun's ideas added one at a time to the tiny GPT-2 at equal tokens: ReLU-squared, "
-           "zero-initialised output projections, logits soft-capped at 15, then Muon.",
+           "zero-initialised output projections, logits soft-capped at 15, Muon, U-net skips, value embeddings, "
+           "then an fp8 head.",
            cases=tuple(_stacked(SPEEDRUN_IDEAS, upto) for upto in range(len(SPEEDRUN_IDEAS) + 1)),
            fixed=SHORT_RUN, match="tokens", budget=SHORT_RUN["steps"] * SHORT_RUN["batch_size"] * 128,  # 128 positions
            target_loss=3.0, seeds=FIVE_SEEDS, cumulative=True),

@@ -80,7 +80,8 @@ def budget(cfg: ModelConfig, backend: str = "") -> Budget:
   with nnx.use_eager_sharding(False):
     graphdef, stack = nnx.split(nnx.eval_shape(lambda: build_model(traced, 0)).blocks)
   one_unit = jax.tree.map(lambda p: jax.ShapeDtypeStruct((1, *p.shape[1:]), p.dtype), stack)
-  unit = dataclasses.replace(traced, num_layers=cfg.layers_per_unit)
+  # One unit has no U-net halves and no first and last layers to give value tables: the model's own count both.
+  unit = dataclasses.replace(traced, num_layers=cfg.layers_per_unit, unet_skips=False, value_embeds=0)
   run = lambda params, x: scan_blocks(nnx.merge(graphdef, params), x, jnp.arange(cfg.max_len), unit)[0]
   x = jax.ShapeDtypeStruct((1, cfg.max_len, cfg.embed_dim), cfg.dtype)
   closed, (_, pullback) = jax.make_jaxpr(lambda *args: jax.vjp(run, *args), return_shape=True)(one_unit, x)

@@ -66,11 +66,17 @@ SMOOTHING = 3  # logged train losses averaged where tokens-to-target is read
 BALANCE_COLUMNS = ("load CV", "E x sum f P")  # expert_balance's
 
 
+def _resolved(recipe: Recipe, fields: dict, value, workdir: Path) -> str:
+  """A field's value for the run with `fields`: `{out}` is the sweep's folder and `{seed}` the run's seed (a branch
+  names a sibling run, of its own seed)."""
+  return str(value).replace("{out}", str(workdir.parent)).replace("{seed}", str(fields.get(recipe.seed_field, "")))
+
+
 def run_config(recipe: Recipe, fields: dict, workdir: Path):
   """The config of the run with `fields`, as its train.py command sets it (without compute matching's steps)."""
   config = load.set_fields(load.load(recipe.config), {"workdir": str(workdir)})
   for field, value in {**recipe.fixed, **fields}.items():
-    load.override(config, field, str(value).replace("{out}", str(workdir.parent)))
+    load.override(config, field, _resolved(recipe, fields, value, workdir))
   return config
 
 
@@ -100,9 +106,9 @@ def matched_steps(recipe: Recipe, fields: dict, workdir: Path) -> dict:
 
 
 def train_command(recipe: Recipe, fields: dict, workdir: Path) -> list[str]:
-  """The run's train.py command; `{out}` in a value is the sweep's folder (a branch names a sibling run)."""
+  """The run's train.py command, its values resolved (`_resolved`)."""
   chosen = {**recipe.fixed, **fields, **matched_steps(recipe, fields, workdir)}
-  settings = {k: str(v).replace("{out}", str(workdir.parent)) for k, v in chosen.items()}
+  settings = {k: _resolved(recipe, fields, v, workdir) for k, v in chosen.items()}
   return [sys.executable, str(ROOT / "train.py"), f"--config={recipe.config}",
           *(f"--config.{k}={v}" for k, v in settings.items()), f"--config.workdir={workdir}",
           f"--config.wandb.group={recipe.name}"]  # a sweep's runs side by side when W&B is on
@@ -245,7 +251,7 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
   table, previous = [], None
   for key, values in cells.items():
     spread = seed_stats.cell(values)
-    row = {k: _shown(v, runs) for k, v in key if k in shown}
+    row = {k: _shown(v, runs, recipe.seed_field) for k, v in key if k in shown}
     row.update({"seeds": spread.n, f"{metric}, mean ± 95% CI": f"{spread.mean:.4f} ± {spread.half_width:.4f}",
                 "sd": f"{spread.sd:.4f}"})
     row.update({f"{column}, each seed": " / ".join(str(r[column]) for r in cell_rows[key]) for column in own})
@@ -339,15 +345,19 @@ def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, pat
   _save(figure, axes, path, 6)
 
 
-def _shown(value, runs: list[dict]):
-  """A field's table cell; a sibling run's checkpoint (`{out}/<run>:<step>`) as that run's row and the step."""
+def _shown(value, runs: list[dict], seed_field: str, seed=None):
+  """A field's table cell; a sibling run's checkpoint (`{out}/<run>:<step>`) as that run's row and the step. A
+  sibling of the run's own seed (`{seed}` in its name) is the row of the run with `seed`; in a table of cells
+  (`seed` None), the first seed's, each seed branching from its own."""
   if not str(value).startswith("{out}/"):
     return value
   sibling, step = str(value).removeprefix("{out}/").rsplit(":", 1)
+  own_seed = "{seed}" in sibling
+  sibling = sibling.replace("{seed}", str(runs[0].get(seed_field) if seed is None else seed))
   rows = [i for i, fields in enumerate(runs, 1) if run_name(fields) == sibling]
   if not rows:
     raise ValueError(f"{value!r} names no run of this recipe; `{{out}}/<run>:<step>` takes a run the recipe lists.")
-  return f"row {rows[0]}, step {step}"
+  return f"row {rows[0]}" + (" (each seed its own)" if own_seed and seed is None else "") + f", step {step}"
 
 
 def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> str:
@@ -368,7 +378,8 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
       failed.append(name)
     label = ", ".join(f"{k.split('.')[-1]}={fields[k]}" for k in varied) or name
     reached = {f"steps to loss {recipe.target_loss}": steps_to(workdir, recipe.target_loss)} if recipe.target_loss else {}
-    rows.append({**{k: _shown(fields[k], runs) for k in varied}, **matched_steps(recipe, fields, workdir),
+    shown = {k: _shown(fields[k], runs, recipe.seed_field, fields.get(recipe.seed_field)) for k in varied}
+    rows.append({**shown, **matched_steps(recipe, fields, workdir),
                  **{column: describe(fields) for column, describe in recipe.columns.items()},
                  **summarize(workdir, marker), **reached,
                  **(expert_balance(workdir) if recipe.expert_balance else {})})

@@ -82,14 +82,20 @@ def test_bad_sweep_flags_are_one_line(args, says):
   assert result.returncode == 1 and message.startswith(f"error: {says}") and "\n" not in message, message
 
 
-def test_the_wsd_recipe_branches_from_its_own_stable_run(tmp_path):
+def test_the_wsd_recipe_branches_each_seed_from_its_own_stable_run(tmp_path):
   recipe = RECIPES["wsd"]
-  stable, *others = recipe.runs()
-  assert sweep.run_name(stable) == WSD_STABLE
-  branched = [sweep.train_command(recipe, fields, tmp_path / sweep.run_name(fields)) for fields in others
-              if fields["branch_from"]]
-  assert [c for command in branched for c in command if c.startswith("--config.branch_from=")] == [
-      f"--config.branch_from={tmp_path / WSD_STABLE}:60", f"--config.branch_from={tmp_path / WSD_STABLE}:100"]
+  runs = recipe.runs()
+  stable = [fields for fields in runs if fields["steps"] == 200]
+  assert [sweep.run_name(fields) for fields in stable] == [WSD_STABLE.format(seed=seed) for seed in recipe.seeds]
+  for fields in runs:
+    if fields["branch_from"]:
+      command = sweep.train_command(recipe, fields, tmp_path / sweep.run_name(fields))
+      step = 60 if fields["steps"] == 80 else 100
+      assert f"--config.branch_from={tmp_path / WSD_STABLE.format(seed=fields['seed'])}:{step}" in command
+  # The tables name the stable run's row: the run's own seed's, or in the table of cells the first seed's.
+  branched = next(fields for fields in runs if fields["branch_from"] and fields["seed"] == 2)
+  assert sweep._shown(branched["branch_from"], runs, "seed", 2) == "row 3, step 60"
+  assert sweep._shown(branched["branch_from"], runs, "seed") == "row 1 (each seed its own), step 60"
 
 
 # Final validation losses of a 2-cell, 5-seed sweep; scipy 1.17.1 (the sidecar venv) gives for them
