@@ -40,8 +40,9 @@ class Recipe:
   target_loss: float = 0.0  # > 0: a column with the first logged step whose train loss reaches it
   versus: str = ""  # a field: the figure plots final validation loss against it, a line per other setting
   expert_balance: bool = False  # columns of how evenly the experts were chosen over the run's second half
-  # Compute matching: each run's steps are those that spend `budget` of `match` (tokens, or the textbook's training
-  # FLOPs), whatever its batch or model; "" runs the steps configured.
+  # Compute matching: each run's steps are those that spend `budget` of `match` (tokens, the textbook's training
+  # FLOPs, or "seconds@<kind>": a step's modelled seconds on one device of that kind, measure/sweep.py step_cost),
+  # whatever its batch or model; "" runs the steps configured.
   match: str = ""
   budget: float = 0.0
   # With several seeds, the cell the others are compared with (fields -> values it has); empty: the first cell.

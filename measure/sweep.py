@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from configs import load
-from measure import seed_stats
+from measure import calibration, hardware, seed_stats, step_time
 from measure.doc_blocks import replace_block
 from measure.recipes import Recipe
 from measure.dry_run import model_weights
@@ -61,7 +61,9 @@ def run_name(fields: dict) -> str:
   return re.sub(r"[^\w.=,+-]", "_", name)
 
 
-MATCHES = ("tokens", "flops")
+# What compute matching holds equal: tokens, training FLOPs, or seconds as measure/step_time.py models a step on
+# one device of a calibrated kind ("seconds@h100"): the wall time a run would take there, not on this machine.
+MATCHES = ("tokens", "flops", "seconds@<kind>")
 SMOOTHING = 3  # logged train losses averaged where tokens-to-target is read
 BALANCE_COLUMNS = ("load CV", "E x sum f P")  # expert_balance's
 
@@ -85,12 +87,29 @@ def tokens_per_step(config) -> int:
   return run_of(config).batch_size * model_config(config).max_len
 
 
+def matched_kind(match: str) -> str | None:
+  """The device kind of a "seconds@<kind>" match, checked against the calibrated kinds; None for tokens or FLOPs;
+  an unknown match refused."""
+  name, at, kind = match.partition("@")
+  if match in ("tokens", "flops"):
+    return None
+  if name != "seconds" or not at or kind not in calibration.REFERENCES:
+    raise ValueError(f"match={match!r} is not one of tokens, flops or seconds@<kind> with a calibrated kind "
+                     f"({', '.join(f'seconds@{k}' for k in calibration.REFERENCES)}).")
+  return kind
+
+
 def step_cost(match: str, config) -> float:
-  """What one step of `config` spends: its tokens, or the textbook's training FLOPs of the whole step (6N per token
-  plus attention's, measure/flops.py ideal_flops on one device)."""
+  """What one step of `config` spends on one device: its tokens; the textbook's training FLOPs of the whole step
+  (6N per token plus attention's, measure/flops.py ideal_flops); or for "seconds@<kind>" the step's seconds on one
+  device of that kind as measure/step_time.py models it, at the kind's calibrated fraction of peak."""
+  one_device, kind = {axis: 1 for axis in AXES}, matched_kind(match)
   if match == "tokens":
     return tokens_per_step(config)
-  return ideal_flops(config, {axis: 1 for axis in AXES}, model_weights(config))
+  if kind is None:
+    return ideal_flops(config, one_device, model_weights(config))
+  return step_time.predict(config, one_device, {}, hardware.cluster(kind, 1), model_weights(config),
+                           calibration.achievable_fraction(kind)).step
 
 
 def matched_steps(recipe: Recipe, fields: dict, workdir: Path) -> dict:
@@ -431,9 +450,11 @@ def check_runs(recipe: Recipe, out: Path) -> None:
   if len(cells) != 1:
     raise ValueError(f"baseline {recipe.baseline} matches {len(cells) or 'no'} cells of {recipe.name!r}; name "
                      "field=value pairs that one cell of the grid has, and only it.")
-  if recipe.match and (recipe.match not in MATCHES or not recipe.budget > 0):
-    raise ValueError(f"match={recipe.match!r} with budget={recipe.budget:g}: give one of {', '.join(MATCHES)} and a "
-                     "budget > 0 (tokens or FLOPs per run).")
+  if recipe.match:
+    matched_kind(recipe.match)
+    if not recipe.budget > 0:
+      raise ValueError(f"match={recipe.match} with budget={recipe.budget:g}: give a budget > 0 (tokens, FLOPs or "
+                       "seconds per run).")
   if recipe.match and any("steps" in fields for fields in recipe.runs()):
     raise ValueError(f"match={recipe.match} sets each run's steps from the budget; leave steps out of the grid.")
   for fields in recipe.runs():

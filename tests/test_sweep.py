@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from helpers import markdown_tables
-from measure import seed_stats, sweep
+from measure import calibration, hardware, seed_stats, step_time, sweep
+from measure.dry_run import model_weights
 from measure.recipes import RECIPES, WSD_STABLE, Recipe
+from parallel.mesh import AXES
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -172,6 +174,25 @@ def test_compute_matching_gives_each_run_the_steps_its_budget_buys(tmp_path):
     sweep.check_runs(dataclasses.replace(by_tokens, budget=100), tmp_path)
   with pytest.raises(ValueError, match="leave steps out of the grid"):
     sweep.check_runs(Recipe("t", "", grid=sweep.parse_grid(["steps=10,20"]), match="tokens", budget=1e6), tmp_path)
+
+
+def test_time_matching_gives_each_run_the_steps_its_modelled_seconds_buy(tmp_path):
+  kind = next(iter(calibration.REFERENCES))
+  # The step-time model has bfloat16's and fp8's peaks, not float32's (measure/step_time.py peak_flops).
+  by_time = Recipe("t", "", grid=sweep.parse_grid(["model.num_layers=2,4"]), fixed={"precision.compute": "bfloat16"},
+                   match=f"seconds@{kind}", budget=60.0)
+  seconds = {}
+  for fields in by_time.runs():
+    config = sweep.run_config(by_time, fields, tmp_path)
+    modelled = step_time.predict(config, {axis: 1 for axis in AXES}, {}, hardware.cluster(kind, 1),
+                                 model_weights(config), calibration.achievable_fraction(kind)).step
+    seconds[fields["model.num_layers"]] = sweep.step_cost(by_time.match, config)
+    assert seconds[fields["model.num_layers"]] == modelled
+    assert sweep.matched_steps(by_time, fields, tmp_path) == {"steps": int(60.0 // modelled)}
+  assert seconds["4"] > seconds["2"]  # the deeper model's step takes longer: fewer steps in the same time
+  for match in ("seconds", "seconds@abacus", "minutes@h100"):
+    with pytest.raises(ValueError, match=rf"match='{match}' is not one of tokens, flops or seconds@<kind>"):
+      sweep.check_runs(dataclasses.replace(by_time, match=match), tmp_path)
 
 
 def test_tokens_to_target_come_with_their_interval_over_seeds(tmp_path):

@@ -39,9 +39,10 @@ _SEEDS = flags.DEFINE_list("seeds", [], "N (seeds 0 to N-1) or a comma list of s
                            "point; with several, a table per cell of means, 95% intervals and paired tests.")
 _SEED_FIELD = flags.DEFINE_enum("seed_field", None, ["seed", "data.seed"], "What --seeds varies: seed (the initial "
                                 "weights and the data order) or data.seed (the order alone); default the recipe's.")
-_MATCH = flags.DEFINE_enum("match", None, ["tokens", "flops"], "Hold every run's tokens or training FLOPs to "
-                           "--budget: each run's steps follow from its batch and model.")
-_BUDGET = flags.DEFINE_float("budget", None, "With --match: the tokens or FLOPs each run spends.")
+_MATCH = flags.DEFINE_string("match", None, "Hold every run's tokens, training FLOPs or modelled seconds on one "
+                             "device of a kind (seconds@h100) to --budget: each run's steps follow from its batch "
+                             "and model.")
+_BUDGET = flags.DEFINE_float("budget", None, "With --match: the tokens, FLOPs or seconds each run spends.")
 _BASELINE = flags.DEFINE_multi_string("baseline", [], "field=value naming the cell the others are compared with "
                                       "(repeat for more fields); default the first cell.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
