@@ -74,7 +74,8 @@ class LatentAttention(nnx.Module):
     k_rope_BSNR = jnp.broadcast_to(k_rope_BS1R, (*up_BSNX.shape[:3], cfg.mla_rope_dim)).astype(up_BSNX.dtype)
     return jnp.concatenate([up_BSNX[..., :nope], k_rope_BSNR], axis=-1), up_BSNX[..., nope:]
 
-  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None):
+  def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None, value_embed=None):
+    del value_embed  # model/config.py refuses value embeddings with latent attention: its values come from a latent
     cfg, heads = self.cfg, ("batch", "length", "heads", "head_dim")
     q_BTNH = constrain(self.queries(x_BTD, positions_T), heads)
     latent_BTC, k_rope_BT1R = self.latent(x_BTD, positions_T)
