@@ -209,8 +209,7 @@ def chunked_cross_entropy(model, x_BTD, targets_BT, weights_BT=None, normalized=
   """
   b, t, d = x_BTD.shape
   chunks = chunk_count(t, model.cfg.loss_chunk)
-  # Whatever the head does not read goes with the stack, which gets no gradient here: in `head`, each would be
-  # carried through the chunks as a running sum of zeros.
+  # What the head never reads (value tables, skip weights) goes with the stacks, for which this VJP returns nothing.
   stacks = nnx.Any(*(nnx.PathContains(name) for name in (STACKED, DENSE_STACKED, mtp.MTP, VALUE_EMBEDS, unet.UNET)))
   graphdef, stack, head = nnx.split(model, stacks, ...)
   to_chunks = lambda x: strided_chunks(x, chunks)
