@@ -61,9 +61,9 @@ def run_name(fields: dict) -> str:
   return re.sub(r"[^\w.=,+-]", "_", name)
 
 
-# What compute matching holds equal: tokens, training FLOPs, or seconds as measure/step_time.py models a step on
-# one device of a calibrated kind ("seconds@h100"): the wall time a run would take there, not on this machine.
-MATCHES = ("tokens", "flops", "seconds@<kind>")
+# What compute matching holds equal: tokens, training FLOPs, or ("seconds@h100", matched_kind) seconds as
+# measure/step_time.py models a step on one device of a calibrated kind: the wall time a run would take there.
+MATCHES = ("tokens", "flops")
 SMOOTHING = 3  # logged train losses averaged where tokens-to-target is read
 BALANCE_COLUMNS = ("load CV", "E x sum f P")  # expert_balance's
 
@@ -90,9 +90,9 @@ def tokens_per_step(config) -> int:
 def matched_kind(match: str) -> str | None:
   """The device kind of a "seconds@<kind>" match, checked against the calibrated kinds; None for tokens or FLOPs;
   an unknown match refused."""
-  name, at, kind = match.partition("@")
-  if match in ("tokens", "flops"):
+  if match in MATCHES:
     return None
+  name, at, kind = match.partition("@")
   if name != "seconds" or not at or kind not in calibration.REFERENCES:
     raise ValueError(f"match={match!r} is not one of tokens, flops or seconds@<kind> with a calibrated kind "
                      f"({', '.join(f'seconds@{k}' for k in calibration.REFERENCES)}).")
@@ -103,9 +103,9 @@ def step_cost(match: str, config) -> float:
   """What one step of `config` spends on one device: its tokens; the textbook's training FLOPs of the whole step
   (6N per token plus attention's, measure/flops.py ideal_flops); or for "seconds@<kind>" the step's seconds on one
   device of that kind as measure/step_time.py models it, at the kind's calibrated fraction of peak."""
-  one_device, kind = {axis: 1 for axis in AXES}, matched_kind(match)
   if match == "tokens":
     return tokens_per_step(config)
+  one_device, kind = {axis: 1 for axis in AXES}, matched_kind(match)
   if kind is None:
     return ideal_flops(config, one_device, model_weights(config))
   return step_time.predict(config, one_device, {}, hardware.cluster(kind, 1), model_weights(config),

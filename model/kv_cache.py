@@ -124,11 +124,9 @@ def forward_cached(model, tokens_BT, positions_T, cache: dict):
     x_BTD, (cache["dense_k"], cache["dense_v"]) = run(x_BTD, getattr(model, DENSE_STACKED), cache["dense_k"],
                                                      cache["dense_v"], {})
   if model.cfg.unet_skips:
-    graphdef, state = nnx.split(model.blocks)
-    in_half = lambda x_BTD, per_unit, skips, keep_outputs: run(
-        x_BTD, nnx.merge(graphdef, per_unit[0]), *per_unit[1:], skips, keep_outputs)
-    x_BTD, (cache["k"], cache["v"]) = unet.in_halves(in_half, x_BTD, (state, cache["k"], cache["v"],
-                                                                      layer_kinds(model.cfg)),
+    in_half = lambda x_BTD, blocks, per_unit, skips, keep_outputs: run(x_BTD, blocks, *per_unit, skips, keep_outputs)
+    x_BTD, (cache["k"], cache["v"]) = unet.in_halves(in_half, x_BTD, model.blocks,
+                                                     (cache["k"], cache["v"], layer_kinds(model.cfg)),
                                                      getattr(model, unet.UNET).scale[...])
   else:
     x_BTD, (cache["k"], cache["v"]) = run(x_BTD, model.blocks, cache["k"], cache["v"], layer_kinds(model.cfg))

@@ -362,14 +362,11 @@ class LanguageModel(nnx.Module):
       x_BTD, stats = scan_blocks(self.blocks, x_BTD, positions_T, cfg, segments_BT, live_L, units_L,
                                  value_rows=value_rows)
       return x_BTD, summarize(stats)
-    graphdef, state = nnx.split(self.blocks)
-
-    def run(x_BTD, per_unit, skips, keep_outputs):
-      state, units_L = per_unit
-      return scan_blocks(nnx.merge(graphdef, state), x_BTD, positions_T, cfg, segments_BT, units_L=units_L,
-                         value_rows=value_rows, skips=skips, keep_outputs=keep_outputs)
-
-    x_BTD, stats = unet.in_halves(run, x_BTD, (state, jnp.arange(cfg.num_units)), getattr(self, unet.UNET).scale[...])
+    run = lambda x_BTD, blocks, units_L, skips, keep_outputs: scan_blocks(
+        blocks, x_BTD, positions_T, cfg, segments_BT, units_L=units_L, value_rows=value_rows, skips=skips,
+        keep_outputs=keep_outputs)
+    weights_H = getattr(self, unet.UNET).scale[...]
+    x_BTD, stats = unet.in_halves(run, x_BTD, self.blocks, jnp.arange(cfg.num_units), weights_H)
     return x_BTD, summarize(stats)
 
   def predict(self, tokens_BT):

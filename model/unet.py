@@ -24,18 +24,23 @@ class SkipWeights(nnx.Module):
     self.scale = ones((units // 2,), (None,))
 
 
-def in_halves(run, x_BTD, per_unit, weights_H):
-  """(output, each unit's ys) of a stack run as two halves with skips between them.
+def in_halves(run, x_BTD, blocks, per_unit, weights_H):
+  """(output, each unit's ys) of the stacked `blocks` run as two halves with skips between them.
 
-  `per_unit` is a tree of arrays with a leading axis of one entry per unit (the units' parameters, their caches);
-  `run(x_BTD, per_unit, skips, keep_outputs)` runs the units it is given in order and returns (x_BTD, ys), or
-  with keep_outputs (x_BTD, ys, each unit's output stacked); `skips` is None or, per unit, (an earlier output, its
-  weight) for with_skip.
+  `per_unit` is a tree of arrays with a leading axis of one entry per unit (the units' indices, their caches);
+  `run(x_BTD, blocks, per_unit, skips, keep_outputs)` runs the units it is given (`blocks` holding as many) in order
+  and returns (x_BTD, ys), or with keep_outputs (x_BTD, ys, each unit's output stacked); `skips` is None or, per
+  unit, (an earlier output, its weight) for with_skip.
   """
   half = weights_H.shape[0]
-  part = lambda units: jax.tree.map(lambda a: a[units], per_unit)
-  x_BTD, ys_first, outputs_HBTD = run(x_BTD, part(slice(None, half)), None, True)
-  x_BTD, ys_second = run(x_BTD, part(slice(half, None)), (outputs_HBTD[::-1], weights_H), False)
+  graphdef, state = nnx.split(blocks)
+
+  def run_part(x_BTD, units, skips, keep_outputs):
+    state_part, per_unit_part = jax.tree.map(lambda a: a[units], (state, per_unit))
+    return run(x_BTD, nnx.merge(graphdef, state_part), per_unit_part, skips, keep_outputs)
+
+  x_BTD, ys_first, outputs_HBTD = run_part(x_BTD, slice(None, half), None, True)
+  x_BTD, ys_second = run_part(x_BTD, slice(half, None), (outputs_HBTD[::-1], weights_H), False)
   return x_BTD, jax.tree.map(lambda first, second: jnp.concatenate([first, second]), ys_first, ys_second)
 
 
