@@ -17,6 +17,10 @@ def base() -> ml_collections.ConfigDict:
   c.steps = 300
   c.batch_size = 32  # global batch, in sequences, summed over all devices
   c.grad_accum = 1  # micro-batches per step, accumulated inside the compiled step
+  # "STEP:field=value[,field=value];STEP:...": the first steps at a smaller batch_size or model.sliding_window,
+  # each entry's until its STEP, the config's own from the last STEP on; each phase's step compiled ahead
+  # (training/curriculum.py; modded-nanogpt's window and batch warmups). Empty: the config's own throughout.
+  c.curriculum = ""
   c.log_every = 10
   c.eval_every = 100
   c.eval_batches = 4

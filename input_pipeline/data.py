@@ -4,6 +4,7 @@ import dataclasses
 import queue
 import threading
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -231,9 +232,10 @@ class Prefetcher:
     self.close()
 
 
-def batches(split: TokenSplit, *, seed: int, start: int, stop: int, batch_size: int,
+def batches(split: TokenSplit, *, seed: int, start: int, stop: int, batch_size_at: Callable[[int], int],
             seq_len: int, sharding: jax.sharding.Sharding, depth: int) -> Prefetcher:
-  """A Prefetcher of global batches for steps [start, stop)."""
-  return Prefetcher(lambda step: global_batch(split, seed=seed, step=step, batch_size=batch_size,
+  """A Prefetcher of global batches for steps [start, stop), step s's of batch_size_at(s) sequences (a curriculum
+  grows it, training/curriculum.py)."""
+  return Prefetcher(lambda step: global_batch(split, seed=seed, step=step, batch_size=batch_size_at(step),
                                               seq_len=seq_len, sharding=sharding),
                     start=start, stop=stop, depth=depth)

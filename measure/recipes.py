@@ -70,6 +70,7 @@ PIPELINE_FIXED = {**SHORT_RUN, "mesh.pipeline": 4, "mesh.data": 1, "model.num_la
 WSD_STABLE = "optimizer.name=adamw,schedule.decay=wsd,steps=200,branch_from=,seed={seed}"
 
 
+SPEEDRUN_WINDOWS = "40:model.sliding_window=32;80:model.sliding_window=64"
 # The speedrun recipe's ideas in the order they are added, each a setting and the baseline's (GPT-2 as configured);
 # Muon at a rate near its best in muon_vs_adamw, AdamW at the config's 3e-3.
 SPEEDRUN_IDEAS = ((("model.activation", "relu2"), ("model.activation", "gelu")),
@@ -79,16 +80,25 @@ SPEEDRUN_IDEAS = ((("model.activation", "relu2"), ("model.activation", "gelu")),
                    (("optimizer.name", "adamw"), ("optimizer.lr", 0.003))),
                   (("model.unet_skips", True), ("model.unet_skips", False)),
                   (("model.value_embeds", 1), ("model.value_embeds", 0)),  # the tiny model's 2 layers share one
-                  (("model.fp8_head", True), ("model.fp8_head", False)))
+                  (("model.fp8_head", True), ("model.fp8_head", False)),
+                  # The curriculum's phases (training/curriculum.py) over the 120 steps of SHORT_RUN at 128 positions:
+                  # attention windows of 32 then 64 positions before the whole context, then also half the batch.
+                  (("curriculum", SPEEDRUN_WINDOWS), ("curriculum", "")),
+                  (("curriculum", f"40:batch_size=4,{SPEEDRUN_WINDOWS[3:]}"), ("curriculum", "")))
 
 
 def _stacked(ideas, upto: int) -> dict:
   """A case with the first `upto` ideas' settings and the others' baseline values (every case names every field,
-  so that the table has a column for each)."""
+  so that the table has a column for each). A later idea's setting replaces an earlier one's of the same field;
+  a baseline value only fills a field no idea set."""
   case = {}
   for index, (idea, baseline) in enumerate(ideas):
-    chosen = idea if index < upto else baseline
-    case.update(chosen if isinstance(chosen[0], tuple) else (chosen,))
+    pairs = lambda chosen: chosen if isinstance(chosen[0], tuple) else (chosen,)
+    if index < upto:
+      case.update(pairs(idea))
+    else:
+      for field, value in pairs(baseline):
+        case.setdefault(field, value)
   return case
 
 
@@ -170,7 +180,7 @@ RECIPES = {r.name: r for r in [
     Recipe("speedrun",
            "The modded-nanogpt speedrun's ideas added one at a time to the tiny GPT-2 at equal tokens: ReLU-squared, "
            "zero-initialised output projections, logits soft-capped at 15, Muon, U-net skips, value embeddings, "
-           "then an fp8 head.",
+           "an fp8 head, attention windows growing over training, then a batch-size warmup.",
            cases=tuple(_stacked(SPEEDRUN_IDEAS, upto) for upto in range(len(SPEEDRUN_IDEAS) + 1)),
            fixed=SHORT_RUN, match="tokens", budget=SHORT_RUN["steps"] * SHORT_RUN["batch_size"] * 128,  # 128 positions
            target_loss=3.0, seeds=FIVE_SEEDS, cumulative=True),

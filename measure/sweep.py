@@ -7,6 +7,7 @@ command that made it (MARKER), so running the same sweep again picks up where it
 """
 
 import csv
+import functools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from configs import load
 from measure import calibration, hardware, seed_stats, step_time
@@ -25,6 +27,7 @@ from measure.dry_run import model_weights
 from measure.flops import ideal_flops
 from measure.sizes import run_of
 from parallel.mesh import AXES
+from training import curriculum
 from training.state import model_config
 from training.validate import check_run
 
@@ -116,11 +119,11 @@ def matched_steps(recipe: Recipe, fields: dict, workdir: Path) -> dict:
   """{"steps": the steps that spend recipe.budget of recipe.match} for the run with `fields`; {} without matching."""
   if not recipe.match:
     return {}
-  cost = step_cost(recipe.match, run_config(recipe, fields, workdir))
-  steps = int(recipe.budget // cost)
+  phases = curriculum.phases(run_config(recipe, fields, workdir))  # a curriculum's first steps cost less
+  steps = curriculum.steps_within(phases, recipe.budget, lambda phase: step_cost(recipe.match, phase))
   if steps < 1:
-    raise ValueError(f"a budget of {recipe.budget:g} {recipe.match} buys no step (one costs {cost:.3g}); raise "
-                     "--budget.")
+    raise ValueError(f"a budget of {recipe.budget:g} {recipe.match} buys no step (the first costs "
+                     f"{step_cost(recipe.match, phases[0].config):.3g}); raise --budget.")
   return {"steps": steps}
 
 
@@ -190,13 +193,13 @@ def summarize(workdir: Path, marker: dict) -> dict:
   }
 
 
-def tokens_to_target(workdir: Path, target: float, tokens: int) -> int | None:
+def tokens_to_target(workdir: Path, target: float, tokens_through: Callable[[int], float]) -> int | None:
   """The tokens read by the first logged step where the mean of the last SMOOTHING logged train losses is at most
-  `target` (`tokens` a step), or None where it never is."""
+  `target` (tokens_through(step) read by then), or None where it never is."""
   losses, _ = read_metrics(workdir)
   for i in range(SMOOTHING - 1, len(losses)):
     if statistics.mean(r["loss"] for r in losses[i - SMOOTHING + 1:i + 1]) <= target:
-      return losses[i]["step"] * tokens
+      return int(tokens_through(losses[i]["step"]))
   return None
 
 
@@ -245,7 +248,8 @@ def _tokens_reached(recipe: Recipe, runs: list[dict], out: Path) -> dict:
   for fields in runs:
     workdir = out / run_name(fields)
     reached.setdefault(tuple((k, fields[k]) for k in fields if k != recipe.seed_field), []).append(
-        tokens_to_target(workdir, recipe.target_loss, tokens_per_step(run_config(recipe, fields, workdir))))
+        tokens_to_target(workdir, recipe.target_loss, functools.partial(
+            curriculum.summed, curriculum.phases(run_config(recipe, fields, workdir)), cost=tokens_per_step)))
   return reached
 
 

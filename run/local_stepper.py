@@ -9,8 +9,9 @@ import jax
 from input_pipeline import data
 from measure import analysis
 from measure.profiling import StepProfiler, parse_steps
+from training import curriculum
 from training.in_flight import StepsInFlight
-from training.state import Layout
+from training.state import Layout, plan
 from training.step import compile_train_step, make_eval_step
 from training.stepper import StepDone, Stepper, eval_loss
 
@@ -23,10 +24,13 @@ class LocalStepper(Stepper):
     self.layout, self.state = layout, state
     self._config, self._train_split, self._val_split, self._stop = config, train_split, val_split, stop
     # Compiled ahead so the first interval's tokens/s leaves compilation out and the program's own
-    # memory figure can be logged beside the losses.
-    self._train_step = compile_train_step(layout, config, weighted=train_split.mask is not None)
+    # memory figure can be logged beside the losses; a curriculum's phases each have a step of their own.
+    self._phases = curriculum.phases(config)
+    weighted = train_split.mask is not None
+    self._train_steps = [compile_train_step(layout if phase.end is None else plan(phase.config), phase.config,
+                                            weighted=weighted) for phase in self._phases]
     self._eval_step = make_eval_step(layout)
-    self.peak_bytes = analysis.memory_summary(self._train_step)["peak_bytes"]
+    self.peak_bytes = max(analysis.memory_summary(step)["peak_bytes"] for step in self._train_steps)
     self._profiler = StepProfiler(parse_steps(config.profile_steps, config.steps), config.workdir)
     self._batches = None
 
@@ -34,7 +38,8 @@ class LocalStepper(Stepper):
     # Prefetching starts here, not when compiled: a run stopped before its first step starts none.
     config = self._config
     self._batches = data.batches(self._train_split, seed=data.data_seed(config), start=int(self.state["step"]),
-                                 stop=config.steps, batch_size=config.batch_size,
+                                 stop=config.steps,
+                                 batch_size_at=lambda step: self._phase_at(step).config.batch_size,
                                  seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding,
                                  depth=config.data.prefetch)
     return self
@@ -54,12 +59,15 @@ class LocalStepper(Stepper):
       done = step + 1
       self._profiler.before(done)
       with self._profiler.annotate(done):
-        self.state, pending = self._train_step(self.state, batch)
+        self.state, pending = self._train_steps[curriculum.phase_at(self._phases, step)](self.state, batch)
       in_flight.add(pending["loss"])
       self._profiler.after(done, self.state)
       if done % log_every == 0:  # the step's collectives finish before the stop vote's begin
         jax.block_until_ready(pending)
       yield StepDone(done, self.state, {**pending, **figures}, stop=self._stop.requested(done, log_every), **timing)
+
+  def _phase_at(self, step: int) -> curriculum.Phase:
+    return self._phases[curriculum.phase_at(self._phases, step)]
 
   def _next_batch(self) -> tuple:
     """(step, batch, figures the step's metrics carry, StepDone's timing fields) of the next step."""

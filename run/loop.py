@@ -26,7 +26,7 @@ from run.local_stepper import LocalStepper
 from run.nonfinite import NonfiniteUpdates
 from run.resume import open_branch, start_state
 from run.rollout_stepper import RolloutStepper
-from training import metrics
+from training import curriculum, metrics
 from training.checkpoint import Checkpoints, data_record, tokenizer_record
 from training.sample import check_request, encode_prompt, generate
 from training.state import active_param_count, param_count, plan, trained_count
@@ -101,6 +101,8 @@ def _check_before_compiling(config, layout, train_split, val_split, text_tokeniz
     raise ValueError(f"{train_split.origin} holds preference pairs, which objective={config.objective!r} does not "
                      "train on; add --config.objective=dpo.")
   data.check_long_enough(train_split, layout.model.max_len)
+  for phase in curriculum.phases(config)[:-1]:  # the mesh and model refuse a phase's batch or window here
+    plan(phase.config)
   if config.eval_every:
     data.check_long_enough(val_split, layout.model.max_len)
   if config.sample_tokens:
@@ -125,6 +127,8 @@ def _run(config, stepper: Stepper, checkpoints: Checkpoints, stop: StopRequests,
                                          f"{layout.lora.rank} (the rest frozen)")
   log(f"training {param_count(layout):,} parameters{active}{adapters} on {layout.mesh.size} devices, "
       f"mesh {dict(layout.mesh.shape)}, steps {start}..{config.steps}, writing to {config.workdir}")
+  if config.curriculum:
+    log(curriculum.describe(curriculum.phases(config)))
   last, done, speed = {}, start, _Speed(config, layout, start)
   nonfinite = NonfiniteUpdates(config.nonfinite, start, int(jax.device_get(state["skipped"])))
   with stepper, writer, tqdm(initial=start, total=config.steps, disable=jax.process_index() != 0,
@@ -177,8 +181,10 @@ class _Speed:
   count in the interval that redoes them, with the recovery's time."""
 
   def __init__(self, config, layout, start: int):
-    # A preference pair is two sequences, its prompt with each answer.
-    self._tokens_per_step = config.batch_size * layout.model.max_len * (1 if layout.preference is None else 2)
+    # A preference pair is two sequences, its prompt with each answer; a curriculum's phases read fewer.
+    per_row = layout.model.max_len * (1 if layout.preference is None else 2)
+    phases = curriculum.phases(config)
+    self._tokens_through = lambda step: curriculum.summed(phases, step, lambda phase: phase.batch_size * per_row)
     self._flops_per_token = metrics.flops_per_token(layout.model, active_param_count(layout))
     self._peak = metrics.peak_flops_per_device(config.peak_tflops)
     self.restart(start)
@@ -190,7 +196,8 @@ class _Speed:
     self._from = min(self._from, step)
 
   def figures(self, done: int) -> dict:
-    tokens_per_sec = (done - self._from) * self._tokens_per_step / (time.perf_counter() - self._since)
+    tokens = self._tokens_through(done) - self._tokens_through(self._from)
+    tokens_per_sec = tokens / (time.perf_counter() - self._since)
     return {"tokens_per_sec": tokens_per_sec, "mfu": metrics.mfu(tokens_per_sec, self._flops_per_token, self._peak)}
 
 

@@ -170,10 +170,24 @@ def test_compute_matching_gives_each_run_the_steps_its_budget_buys(tmp_path):
   assert 1.5 < cost["4", "4"] / cost["4", "2"] < 2  # twice the layers, the same head: less than twice the FLOPs
   command = sweep.train_command(by_tokens, by_tokens.runs()[0], tmp_path / "run")
   assert "--config.steps=1280" in command
-  with pytest.raises(ValueError, match=r"a budget of 100 tokens buys no step \(one costs 512\)"):
+  with pytest.raises(ValueError, match=r"a budget of 100 tokens buys no step \(the first costs 512\)"):
     sweep.check_runs(dataclasses.replace(by_tokens, budget=100), tmp_path)
   with pytest.raises(ValueError, match="leave steps out of the grid"):
     sweep.check_runs(Recipe("t", "", grid=sweep.parse_grid(["steps=10,20"]), match="tokens", budget=1e6), tmp_path)
+
+
+def test_compute_matching_and_tokens_to_target_follow_a_curriculum(tmp_path):
+  # 100 steps at batch 2 before the config's own 4 (128 positions a row): the budget buys 100 + 150 steps.
+  ramp = Recipe("t", "", fixed={"batch_size": 4, "curriculum": "100:batch_size=2"}, match="tokens",
+                budget=128 * (100 * 2 + 150 * 4), target_loss=2.0, seeds=(0, 1))
+  fields = ramp.runs()[0]
+  assert sweep.matched_steps(ramp, fields, tmp_path) == {"steps": 250}
+  losses = [3.0] * 11 + [2.0] * 3  # logged every 10 steps: the 3-log mean reaches 2.0 at step 140
+  finished_sweep(ramp, tmp_path, [1.0, 1.0], [losses, losses])
+  assert sweep.tokens_to_target(tmp_path / sweep.run_name(fields), 2.0, lambda step: step) == 140
+  sweep.sweep(ramp, tmp_path)
+  (row,), = markdown_tables((tmp_path / "results_by_cell.md").read_text())
+  assert row["tokens to loss 2.0 (3-log mean), mean ± 95% CI"] == f"{128 * (100 * 2 + 40 * 4):,} ± 0"
 
 
 def test_time_matching_gives_each_run_the_steps_its_modelled_seconds_buy(tmp_path):

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from training import grpo, lora, preference, rewards
+from training import curriculum, grpo, lora, preference, rewards
 
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -55,6 +55,7 @@ def check_run(config) -> None:
   _at_least(config, "batch_size", 1)
   _at_least(config, "grad_accum", 1)
   _at_least(config, "log_every", 1)
+  curriculum.check(config)
   _at_least(config, "eval_every", 0, " (0 turns evaluation off)")
   if config.eval_every:
     _at_least(config, "eval_batches", 1, " while eval_every is on")
