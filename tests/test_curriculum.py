@@ -8,12 +8,13 @@ import pytest
 from configs.load import set_fields
 from helpers import read_metrics, tiny_config
 from input_pipeline import data
+from measure import analysis
 from resilience.preemption import StopRequests
 from run import loop
 from run.loop import train
 from training import curriculum
 from training.state import init_state, plan
-from training.step import make_train_step
+from training.step import compile_train_step
 from training.validate import check_run
 
 STEPS = 6
@@ -29,12 +30,13 @@ def losses(workdir) -> dict:
   return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
 
 
-def by_hand_on_one_device(config) -> dict:
-  """Each step's loss as the phase's own config trains it on one device: its compiled step, its batch."""
+def by_hand_on_one_device(config) -> tuple[dict, list]:
+  """Each step's loss as the phase's own config trains it on one device (its compiled step, its batch), and each
+  phase's compiled peak bytes."""
   devices = jax.devices()[:1]
   phases = curriculum.phases(set_fields(config, {"mesh.data": 1}))
   layouts = [plan(phase.config, devices) for phase in phases]
-  steps = [make_train_step(layout, phase.config) for layout, phase in zip(layouts, phases)]
+  steps = [compile_train_step(layout, phase.config) for layout, phase in zip(layouts, phases)]
   state, split, out = init_state(layouts[-1], config.seed), data.open_split(config.data, "train", vocab_size=256), {}
   for step in range(config.steps):
     i = curriculum.phase_at(phases, step)
@@ -42,7 +44,7 @@ def by_hand_on_one_device(config) -> dict:
                               seq_len=config.model.max_len, sharding=layouts[i].batch_sharding)
     state, metrics = steps[i](state, batch)
     out[step + 1] = float(metrics["loss"])
-  return out
+  return out, [analysis.memory_summary(step)["peak_bytes"] for step in steps]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,9 @@ def test_phases_hold_their_fields_until_their_step_then_the_configs_own():
   assert [(p.end, p.config.batch_size, p.config.model.sliding_window) for p in phases] == [
       (3, 8, 8), (5, 16, 16), (None, 16, 0)]
   assert all(p.config.curriculum == "" for p in phases)
+  assert curriculum.describe(phases) == ("curriculum: steps 1..3 batch_size 8, model.sliding_window 8; steps 4..5 "
+                                         "batch_size 16, model.sliding_window 16; from step 6 batch_size 16, "
+                                         "model.sliding_window 0")
   assert [curriculum.phase_at(phases, step) for step in range(7)] == [0, 0, 0, 1, 1, 2, 2]
   rows = lambda phase: phase.batch_size  # a step's cost: its batch
   assert curriculum.summed(phases, 6, rows) == 3 * 8 + 2 * 16 + 16
@@ -66,13 +71,20 @@ def test_phases_hold_their_fields_until_their_step_then_the_configs_own():
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference_and_peaks():
   return by_hand_on_one_device(run_config("unused"))
 
 
-def test_the_phases_change_what_is_trained(reference):
-  plain = by_hand_on_one_device(run_config("unused", curriculum=""))
+@pytest.fixture(scope="module")
+def reference(reference_and_peaks):
+  return reference_and_peaks[0]
+
+
+def test_the_phases_change_what_is_trained_within_the_configs_own_memory(reference_and_peaks):
+  reference, (first, own) = reference_and_peaks
+  plain, _ = by_hand_on_one_device(run_config("unused", curriculum=""))
   assert all(plain[s] != reference[s] for s in range(1, STEPS + 1))
+  assert first < own  # half the batch
 
 
 @pytest.mark.parametrize("layout", [{}, {"mesh.data": 4, "mesh.tensor": 2}], ids=["data", "data x tensor"])
