@@ -17,9 +17,9 @@ def base() -> ml_collections.ConfigDict:
   c.steps = 300
   c.batch_size = 32  # global batch, in sequences, summed over all devices
   c.grad_accum = 1  # micro-batches per step, accumulated inside the compiled step
-  # "STEP:field=value[,field=value];STEP:...": the first steps at a smaller batch_size or model.sliding_window,
-  # each entry's until its STEP, the config's own from the last STEP on; each phase's step compiled ahead
-  # (training/curriculum.py; modded-nanogpt's window and batch warmups). Empty: the config's own throughout.
+  # "STEP:field=value[,field=value];STEP:...": the first steps at a smaller batch_size, model.max_len or
+  # model.sliding_window, each entry's until its STEP, the config's own from the last STEP on; each phase's step
+  # compiled ahead (training/curriculum.py; modded-nanogpt's window and batch warmups). Empty: the config's own.
   c.curriculum = ""
   c.log_every = 10
   c.eval_every = 100
@@ -78,7 +78,8 @@ def base() -> ml_collections.ConfigDict:
   c.model.num_heads = 4
   c.model.embed_dim = 128
   c.model.mlp_dim = 512
-  c.model.max_len = 128  # learned positions; also the training sequence length
+  c.model.max_len = 128  # the training sequence length; also gpt2's learned positions, unless positions says
+  c.model.positions = 0  # gpt2: learned position rows, at least max_len (a curriculum's shorter phases); 0: max_len
   c.model.vocab_size = 256  # padded to a multiple of 128 inside the model
   c.model.remat = "none"  # none | full | full_offload | save_dots | save_attention | offload
   # True: the stacked blocks run in one nnx.scan (compile time flat in depth). False: a Python loop over

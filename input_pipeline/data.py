@@ -232,10 +232,10 @@ class Prefetcher:
     self.close()
 
 
-def batches(split: TokenSplit, *, seed: int, start: int, stop: int, batch_size_at: Callable[[int], int],
-            seq_len: int, sharding: jax.sharding.Sharding, depth: int) -> Prefetcher:
-  """A Prefetcher of global batches for steps [start, stop), step s's of batch_size_at(s) sequences (a curriculum
-  grows it, training/curriculum.py)."""
-  return Prefetcher(lambda step: global_batch(split, seed=seed, step=step, batch_size=batch_size_at(step),
-                                              seq_len=seq_len, sharding=sharding),
+def batches(split: TokenSplit, *, seed: int, start: int, stop: int, shape_at: Callable[[int], tuple[int, int]],
+            sharding: jax.sharding.Sharding, depth: int) -> Prefetcher:
+  """A Prefetcher of global batches for steps [start, stop), step s's of shape_at(s) = (sequences, positions) (a
+  curriculum grows them, training/curriculum.py)."""
+  return Prefetcher(lambda step: global_batch(split, seed=seed, step=step, batch_size=shape_at(step)[0],
+                                              seq_len=shape_at(step)[1], sharding=sharding),
                     start=start, stop=stop, depth=depth)

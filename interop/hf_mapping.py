@@ -553,7 +553,7 @@ def _gpt2_config(cfg: ModelConfig, tied: bool, dtype: str) -> dict:
     raise ValueError(f"model.head_width={cfg.head_width} x {cfg.num_heads} heads is not the width "
                      f"{cfg.embed_dim}, which transformers' GPT-2 requires; export a model with head_width 0.")
   return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=cfg.num_layers,
-                n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.max_len,
+                n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim, n_positions=cfg.position_rows,
                 vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.epsilon, activation_function="gelu_new",
                 # meshlm trains without dropout; unwritten, transformers would fill in GPT-2's 0.1.
                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,

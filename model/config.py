@@ -24,6 +24,7 @@ class ModelConfig:
   mlp_dim: int
   max_len: int
   vocab_size: int
+  positions: int = 0  # learned position rows (gpt2), at least max_len; 0: max_len (position_rows)
   remat: str = "none"  # none | full | full_offload | save_dots | save_attention | offload
   scan_layers: bool = True  # one scanned block (fast compiles) or the layers unrolled (model/transformer.py)
   recompute_activation: bool = False  # GELU / SiLU recomputed from their inputs in the backward pass
@@ -106,6 +107,11 @@ class ModelConfig:
   moe_bias_rate: float = 0.0
   moe_z_weight: float = 0.001
   mup_base_width: int = 0  # muP's base width (model/mup.py); 0: the standard parametrisation
+
+  @property
+  def position_rows(self) -> int:
+    """Rows of a learned position table: model.positions, or max_len."""
+    return self.positions or self.max_len
 
   @property
   def layers_per_unit(self) -> int:
@@ -205,6 +211,9 @@ class ModelConfig:
     for field in ("attention_block", "loss_chunk"):
       if getattr(self, field) < 1:
         raise ValueError(f"model.{field}={getattr(self, field)} must be a positive number of positions.")
+    if self.positions and self.positions < self.max_len:
+      raise ValueError(f"model.positions={self.positions} must be at least model.max_len={self.max_len}, the "
+                       "training length, or 0 for as many.")
     if self.sliding_window < 0:
       raise ValueError(f"model.sliding_window={self.sliding_window} must be a number of positions, or 0 for "
                        "attention over the whole causal context.")

@@ -34,7 +34,7 @@ class Embed(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.tokens = vocab_param(rngs, (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), cfg.vocab_size)
-    self.positions = param(rngs, (cfg.max_len, cfg.embed_dim), (None, "embed"), std=INIT_STD / 2)
+    self.positions = param(rngs, (cfg.position_rows, cfg.embed_dim), (None, "embed"), std=INIT_STD / 2)
 
 
 class GPT2(LanguageModel):

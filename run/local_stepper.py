@@ -38,9 +38,7 @@ class LocalStepper(Stepper):
     # Prefetching starts here, not when compiled: a run stopped before its first step starts none.
     config = self._config
     self._batches = data.batches(self._train_split, seed=data.data_seed(config), start=int(self.state["step"]),
-                                 stop=config.steps,
-                                 batch_size_at=lambda step: self._phase_at(step).config.batch_size,
-                                 seq_len=self.layout.model.max_len, sharding=self.layout.batch_sharding,
+                                 stop=config.steps, shape_at=self._shape_at, sharding=self.layout.batch_sharding,
                                  depth=config.data.prefetch)
     return self
 
@@ -66,8 +64,10 @@ class LocalStepper(Stepper):
         jax.block_until_ready(pending)
       yield StepDone(done, self.state, {**pending, **figures}, stop=self._stop.requested(done, log_every), **timing)
 
-  def _phase_at(self, step: int) -> curriculum.Phase:
-    return self._phases[curriculum.phase_at(self._phases, step)]
+  def _shape_at(self, step: int) -> tuple[int, int]:
+    """(sequences, positions) of step `step`'s batch: its phase's."""
+    phase = self._phases[curriculum.phase_at(self._phases, step)].config
+    return phase.batch_size, phase.model.max_len
 
   def _next_batch(self) -> tuple:
     """(step, batch, figures the step's metrics carry, StepDone's timing fields) of the next step."""

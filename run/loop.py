@@ -182,9 +182,9 @@ class _Speed:
 
   def __init__(self, config, layout, start: int):
     # A preference pair is two sequences, its prompt with each answer; a curriculum's phases read fewer.
-    per_row = layout.model.max_len * (1 if layout.preference is None else 2)
+    pair = 1 if layout.preference is None else 2
     phases = curriculum.phases(config)
-    self._tokens_through = lambda step: curriculum.summed(phases, step, lambda phase: phase.batch_size * per_row)
+    self._tokens_through = lambda step: pair * curriculum.summed(phases, step, curriculum.tokens)
     self._flops_per_token = metrics.flops_per_token(layout.model, active_param_count(layout))
     self._peak = metrics.peak_flops_per_device(config.peak_tflops)
     self.restart(start)

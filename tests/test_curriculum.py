@@ -13,12 +13,13 @@ from resilience.preemption import StopRequests
 from run import loop
 from run.loop import train
 from training import curriculum
-from training.state import init_state, plan
+from training.state import init_state, model_config, plan
 from training.step import compile_train_step
 from training.validate import check_run
 
 STEPS = 6
-RAMP = "3:batch_size=8,model.sliding_window=8"  # the first 3 steps at half the batch, attending 8 positions back
+# The first 3 steps at half the batch of sequences half as long, attending 8 positions back.
+RAMP = "3:batch_size=8,model.max_len=16,model.sliding_window=8"
 
 
 def run_config(workdir, **overrides):
@@ -41,7 +42,7 @@ def by_hand_on_one_device(config) -> tuple[dict, list]:
   for step in range(config.steps):
     i = curriculum.phase_at(phases, step)
     batch = data.global_batch(split, seed=config.seed, step=step, batch_size=phases[i].config.batch_size,
-                              seq_len=config.model.max_len, sharding=layouts[i].batch_sharding)
+                              seq_len=phases[i].config.model.max_len, sharding=layouts[i].batch_sharding)
     state, metrics = steps[i](state, batch)
     out[step + 1] = float(metrics["loss"])
   return out, [analysis.memory_summary(step)["peak_bytes"] for step in steps]
@@ -61,9 +62,9 @@ def test_phases_hold_their_fields_until_their_step_then_the_configs_own():
   assert [(p.end, p.config.batch_size, p.config.model.sliding_window) for p in phases] == [
       (3, 8, 8), (5, 16, 16), (None, 16, 0)]
   assert all(p.config.curriculum == "" for p in phases)
-  assert curriculum.describe(phases) == ("curriculum: steps 1..3 batch_size 8, model.sliding_window 8; steps 4..5 "
-                                         "batch_size 16, model.sliding_window 16; from step 6 batch_size 16, "
-                                         "model.sliding_window 0")
+  assert curriculum.describe(phases) == (
+      "curriculum: steps 1..3 batch_size 8, model.max_len 32, model.sliding_window 8; steps 4..5 batch_size 16, "
+      "model.max_len 32, model.sliding_window 16; from step 6 batch_size 16, model.max_len 32, model.sliding_window 0")
   assert [curriculum.phase_at(phases, step) for step in range(7)] == [0, 0, 0, 1, 1, 2, 2]
   rows = lambda phase: phase.batch_size  # a step's cost: its batch
   assert curriculum.summed(phases, 6, rows) == 3 * 8 + 2 * 16 + 16
@@ -84,10 +85,12 @@ def test_the_phases_change_what_is_trained_within_the_configs_own_memory(referen
   reference, (first, own) = reference_and_peaks
   plain, _ = by_hand_on_one_device(run_config("unused", curriculum=""))
   assert all(plain[s] != reference[s] for s in range(1, STEPS + 1))
-  assert first < own  # half the batch
+  assert first < own  # a quarter of the tokens
 
 
-@pytest.mark.parametrize("layout", [{}, {"mesh.data": 4, "mesh.tensor": 2}], ids=["data", "data x tensor"])
+@pytest.mark.parametrize("layout", [{}, {"mesh.data": 4, "mesh.tensor": 2},
+                                    {"mesh.data": 2, "mesh.sequence": 4, "attention.context": "ring"}],
+                         ids=["data", "data x tensor", "ring attention"])
 def test_each_phase_trains_as_its_own_fields_do_on_one_device(straight, reference, layout, tmp_path):
   if layout:
     train(run_config(tmp_path, **layout))
@@ -117,7 +120,9 @@ def test_a_run_stopped_in_one_phase_resumes_through_the_next_exactly(straight, t
 @pytest.mark.parametrize("overrides, says", [
     ({"curriculum": "3 batch_size=8"}, r"curriculum entry '3 batch_size=8' is not STEP:field=value"),
     ({"curriculum": "3:model.num_layers=4"}, r"curriculum field 'model.num_layers' cannot vary over a run; vary "
-                                             "batch_size or model.sliding_window"),
+                                             "batch_size or model.max_len or model.sliding_window"),
+    ({"curriculum": "3:model.max_len=64"}, r"curriculum model.max_len=64 before step 3 must be from 1 to the config's "
+                                           "own model.max_len=32"),
     ({"curriculum": "5:batch_size=8;3:batch_size=4"}, r"curriculum step 3 must come after 5"),
     ({"curriculum": "3:batch_size=32"}, r"curriculum batch_size=32 before step 3 must be from 1 to the config's own "
                                         "batch_size=16"),
@@ -131,6 +136,11 @@ def test_a_run_stopped_in_one_phase_resumes_through_the_next_exactly(straight, t
 def test_a_curriculum_the_run_cannot_follow_is_refused_in_one_sentence(overrides, says):
   with pytest.raises(ValueError, match=says):
     check_run(tiny_config(**overrides))
+
+
+def test_a_position_table_shorter_than_the_training_length_is_refused():
+  with pytest.raises(ValueError, match=r"model.positions=16 must be at least model.max_len=32, the training length"):
+    model_config(tiny_config(**{"model.positions": 16}))
 
 
 def test_a_phase_the_mesh_cannot_split_is_refused_before_anything_is_written(tmp_path):

@@ -103,7 +103,7 @@ def build_for(split, sharding):
 def test_prefetcher_yields_the_batches_of_direct_calls(depth):
   split, sharding = toy_split(), NamedSharding(jax.make_mesh((8,), ("data",)), P("data"))
   build = build_for(split, sharding)
-  with data.batches(split, seed=1, start=3, stop=7, batch_size_at=lambda step: B, seq_len=T,
+  with data.batches(split, seed=1, start=3, stop=7, shape_at=lambda step: (B, T),
                     sharding=sharding, depth=depth) as batches:
     got = list(batches)
   assert [step for step, _ in got] == [3, 4, 5, 6]

@@ -1,10 +1,11 @@
 """A curriculum: a run's first steps at smaller shapes than the config's own, each phase's step compiled ahead
-(modded-nanogpt's attention-window and batch-size warmups, DeepSpeed's curriculum learning).
+(modded-nanogpt's attention-window and batch-size warmups, DeepSpeed's sequence-length warmup).
 
 config.curriculum = "STEP:field=value[,field=value];STEP:...". An entry's fields hold from the previous entry's
 STEP (or 0) up to, not including, its own STEP; from the last STEP on the run trains on the config's own fields.
-Only fields that leave the weights' shapes alone may vary, and only below the config's own values: then the
-config's own step bounds every phase's memory (the dry run's figures) and one state trains through every phase.
+Only the batch, the sequence length and the attention window vary, each at most the config's own: then one state
+trains through every phase (a shorter phase keeps gpt2's learned position rows: model.positions), and the config's
+own step bounds every phase's memory (the dry run's figures).
 Batches stay a pure function of the step (input_pipeline/data.py), so a run resumes into the phase its step is in.
 """
 
@@ -16,8 +17,8 @@ import ml_collections
 
 from configs.load import override, with_fields
 
-FIELDS = ("batch_size", "model.sliding_window")
-EXAMPLE = "'100:model.sliding_window=64;200:model.sliding_window=256,batch_size=16'"
+FIELDS = ("batch_size", "model.max_len", "model.sliding_window")
+EXAMPLE = "'100:model.max_len=256,batch_size=16;200:model.sliding_window=512'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,8 @@ def phases(config) -> tuple[Phase, ...]:
       if field not in FIELDS:
         raise ValueError(f"curriculum field {field!r} cannot vary over a run; vary {' or '.join(FIELDS)}.")
       override(phase, field, value)
+    # A shorter phase keeps the config's own learned positions (gpt2), so that its weights are the same.
+    phase.model.positions = own.model.positions or own.model.max_len
     _check_below_own(phase, own, end)
     out.append(Phase(end, phase))
     previous = end
@@ -58,6 +61,9 @@ def _check_below_own(phase, own, end: int) -> None:
   if not 1 <= phase.batch_size <= own.batch_size:
     raise ValueError(f"curriculum batch_size={phase.batch_size} before step {end} must be from 1 to the config's own "
                      f"batch_size={own.batch_size}, whose step bounds the run's memory.")
+  if not 1 <= phase.model.max_len <= own.model.max_len:
+    raise ValueError(f"curriculum model.max_len={phase.model.max_len} before step {end} must be from 1 to the "
+                     f"config's own model.max_len={own.model.max_len}, the longest sequence the run trains on.")
   window, full = phase.model.sliding_window, own.model.sliding_window
   if window != full and (window < 1 or (full and window > full)):
     raise ValueError(f"curriculum model.sliding_window={window} before step {end} must be a window of 1 to "
