@@ -48,6 +48,9 @@ class Recipe:
   # With several seeds, the cell the others are compared with (fields -> values it has); empty: the first cell.
   baseline: dict = dataclasses.field(default_factory=dict)
   cumulative: bool = False  # each cell adds to the one before it, and is compared with that one instead
+  # A field: each cell is compared instead with the best cell (lowest mean) among those that differ from it in this
+  # field alone, as whether a best learning rate stands out from its neighbours; "": the baseline (or cumulative)
+  best_within: str = ""
 
   def runs(self) -> list[dict]:
     """The varied fields of every run, in order (seed last)."""
@@ -152,7 +155,7 @@ RECIPES = {r.name: r for r in [
            cases=tuple({"mup.base_width": base, "model.embed_dim": width, "model.num_heads": width // 16,
                         "model.mlp_dim": 4 * width, "optimizer.lr": lr}
                        for base in (0, 64) for width in (64, 128, 256) for lr in (1e-3, 3e-3, 1e-2, 3e-2)),
-           fixed=SHORT_RUN, versus="optimizer.lr"),
+           fixed=SHORT_RUN, versus="optimizer.lr", seeds=FIVE_SEEDS, best_within="optimizer.lr"),
     # float16 (with loss scaling) joins as one more value of precision.compute.
     Recipe("precision",
            "Matmuls in float32 against bfloat16; master weights, norms, softmax and loss stay float32.",

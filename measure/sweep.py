@@ -253,6 +253,17 @@ def _tokens_reached(recipe: Recipe, runs: list[dict], out: Path) -> dict:
   return reached
 
 
+def _best_within(field: str, cells: dict) -> dict:
+  """Each cell's key -> the key of the cell with the lowest mean among those whose fields differ from it in `field`
+  alone (itself included)."""
+  rest = lambda key: tuple((k, v) for k, v in key if k != field)
+  groups = {}
+  for key, values in cells.items():
+    groups.setdefault(rest(key), []).append(key)
+  lowest = {group: min(keys, key=lambda key: statistics.mean(cells[key])) for group, keys in groups.items()}
+  return {key: lowest[rest(key)] for key in cells}
+
+
 def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[str], out: Path) -> list[dict]:
   """One row per cell (a run's fields but its seed) over its seeds: the final validation loss's mean (the train
   loss's where the runs are not evaluated) with its 95% confidence interval and standard deviation, and each cell
@@ -269,7 +280,9 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
   # The recipe's own columns, which no interval summarises, shown seed by seed.
   own = [*recipe.columns, *(BALANCE_COLUMNS if recipe.expert_balance else ())]
   base = next(key for key in cells if is_baseline(recipe, dict(key)))
-  against = "previous row" if recipe.cumulative else "baseline"
+  against = ("previous row" if recipe.cumulative else f"best {recipe.best_within} alike otherwise"
+             if recipe.best_within else "baseline")
+  best = _best_within(recipe.best_within, cells) if recipe.best_within else {}
   reached = _tokens_reached(recipe, runs, out) if recipe.target_loss else {}
   table, previous = [], None
   for key, values in cells.items():
@@ -285,9 +298,10 @@ def seeded_rows(recipe: Recipe, runs: list[dict], rows: list[dict], shown: list[
       within = seed_stats.cell(tokens) if len(tokens) == len(reached[key]) else None
       row[f"tokens to loss {recipe.target_loss} ({SMOOTHING}-log mean), mean ± 95% CI"] = (
           f"{within.mean:,.0f} ± {within.half_width:,.0f}" if within else f"{len(tokens)} of {len(reached[key])} seeds")
-    compared = previous if recipe.cumulative else base
-    if key == base or compared is None:
-      row.update({f"vs {against}, ± 95% CI": "baseline", "p (paired t)": "", "p < 0.05": "", "seeds to resolve": ""})
+    compared = previous if recipe.cumulative else best.get(key, base)
+    if key == compared or compared is None:
+      row.update({f"vs {against}, ± 95% CI": "best" if best else "baseline", "p (paired t)": "", "p < 0.05": "",
+                  "seeds to resolve": ""})
     else:
       versus = seed_stats.paired(values, cells[compared])
       row.update({f"vs {against}, ± 95% CI": f"{versus.difference:+.4f} ± {versus.half_width:.4f}",
@@ -355,15 +369,19 @@ def plot_seeded(cells: dict[str, list[Path]], title: str, path: Path) -> None:
 
 
 def plot_versus(rows: list[dict], varied: list[str], field: str, title: str, path: Path) -> None:
-  """Final validation loss against `field`, one line per setting of the other `varied` fields (log x)."""
+  """Final validation loss against `field`, one line per setting of the other `varied` fields (log x): each point
+  the mean over the seeds, with its 95% confidence interval where there are several."""
   lines = {}
   for row in rows:
     if row["final val loss"]:
       label = ", ".join(f"{k.split('.')[-1]}={row[k]}" for k in varied if k != field)
-      lines.setdefault(label, []).append((float(row[field]), float(row["final val loss"])))
+      lines.setdefault(label, {}).setdefault(float(row[field]), []).append(float(row["final val loss"]))
   figure, axes = _axes()
   for index, (label, points) in enumerate(lines.items()):
-    axes.plot(*zip(*sorted(points)), "o-", color=f"C{index % 10}", ms=4, lw=1.2, label=label)
+    xs = sorted(points)
+    spreads = [seed_stats.cell(points[x]) if len(points[x]) > 1 else None for x in xs]
+    axes.errorbar(xs, [statistics.mean(points[x]) for x in xs], fmt="o-", color=f"C{index % 10}", ms=4, lw=1.2,
+                  capsize=2, label=label, yerr=[s.half_width if s else 0.0 for s in spreads])
   axes.set(xscale="log", xlabel=field, ylabel="final validation loss (nats/token)", title=title)
   _save(figure, axes, path, 6)
 
@@ -412,7 +430,8 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
     cells = seeded_rows(recipe, runs, rows, [k for k in varied if k != recipe.seed_field], out)
     markdown += "\n" + write_tables(cells, out, "results_by_cell")
   if recipe.versus:
-    plot_versus(rows, varied, recipe.versus, recipe.name, figure or out / "loss.png")
+    plot_versus(rows, [k for k in varied if k != recipe.seed_field], recipe.versus, recipe.name,
+                figure or out / "loss.png")
   elif len(recipe.seeds) > 1 and not failed:
     cells = {}
     for label_fields, (_, workdir) in zip(runs, curves):
@@ -459,6 +478,9 @@ def check_runs(recipe: Recipe, out: Path) -> None:
     if not recipe.budget > 0:
       raise ValueError(f"match={recipe.match} with budget={recipe.budget:g}: give a budget > 0 (tokens, FLOPs or "
                        "seconds per run).")
+  if recipe.best_within and recipe.best_within not in recipe.runs()[0]:
+    raise ValueError(f"best_within={recipe.best_within!r} is not a field the sweep varies; name one of "
+                     f"{', '.join(k for k in recipe.runs()[0] if k != recipe.seed_field)}.")
   if recipe.match and any("steps" in fields for fields in recipe.runs()):
     raise ValueError(f"match={recipe.match} sets each run's steps from the budget; leave steps out of the grid.")
   for fields in recipe.runs():

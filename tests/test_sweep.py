@@ -136,6 +136,26 @@ def test_a_seeded_sweep_gives_each_cell_its_interval_and_a_paired_test_against_t
   assert other["seeds to resolve"] == "4"
 
 
+def test_best_within_compares_each_cell_with_the_best_of_its_row_group(tmp_path):
+  # Width 64: the rate 2e-3 is best; width 128: 1e-3. Each cell is compared with its own width's best.
+  recipe = Recipe("t", "", grid=sweep.parse_grid(["model.embed_dim=64,128", "optimizer.lr=1e-3,2e-3"]),
+                  seeds=tuple(range(5)), best_within="optimizer.lr", versus="optimizer.lr")
+  worse = tuple(x + 0.1 for x in OTHER_LOSSES)
+  finished_sweep(recipe, tmp_path, [*worse, *OTHER_LOSSES, *BASELINE_LOSSES, *worse])
+  sweep.sweep(recipe, tmp_path)
+  (slow_64, best_64, best_128, slow_128), = markdown_tables((tmp_path / "results_by_cell.md").read_text())
+  column = "vs best optimizer.lr alike otherwise, ± 95% CI"
+  assert best_64[column] == best_128[column] == "best"
+  assert slow_64[column] == "+0.1000 ± 0.0000" and slow_64["p < 0.05"] == "yes"
+  differences = np.subtract(worse, BASELINE_LOSSES)
+  assert slow_128[column] == (
+      f"{differences.mean():+.4f} ± {2.7764451051977934 * np.std(differences, ddof=1) / 5 ** 0.5:.4f}")
+  assert (tmp_path / "loss.png").stat().st_size > 0  # a line per width, each point a mean with its interval
+  with pytest.raises(ValueError, match=r"best_within='optimizer.b1' is not a field the sweep varies; name one of "
+                                       "model.embed_dim, optimizer.lr"):
+    sweep.check_runs(dataclasses.replace(recipe, best_within="optimizer.b1"), tmp_path)
+
+
 @pytest.mark.parametrize("baseline, says", [({"optimizer.lr": "3e-3"}, "matches no cells"),
                                              ({"optimizer.b1": "0.9"}, "matches 2 cells")])
 def test_a_baseline_not_one_cell_is_refused_before_any_run_starts(baseline, says, tmp_path):

@@ -45,6 +45,9 @@ _MATCH = flags.DEFINE_string("match", None, "Hold every run's tokens, training F
 _BUDGET = flags.DEFINE_float("budget", None, "With --match: the tokens, FLOPs or seconds each run spends.")
 _BASELINE = flags.DEFINE_multi_string("baseline", [], "field=value naming the cell the others are compared with "
                                       "(repeat for more fields); default the first cell.")
+_BEST_WITHIN = flags.DEFINE_string("best_within", None, "A varied field: compare each cell with the best cell that "
+                                   "differs from it in this field alone (is a best learning rate resolved?), not "
+                                   "with the baseline.")
 _DEVICES = flags.DEFINE_integer("devices", None, "Simulated CPU devices per run.")
 _OUT = flags.DEFINE_string("out", None, "Sweep directory; default runs/sweeps/<recipe or 'sweep'> (with "
                            "--write, runs/docs/<recipe>). With --recipe=all, the folder of one per recipe.")
@@ -77,6 +80,8 @@ def recipes_from_flags() -> list[Recipe]:
     changes["seed_field"] = _SEED_FIELD.value
   if _BASELINE.value:
     changes["baseline"] = parse_set(_BASELINE.value, "--baseline")
+  if _BEST_WITHIN.value:
+    changes["best_within"] = _BEST_WITHIN.value
   if _DEVICES.value is not None:
     if _DEVICES.value < 1:
       raise ValueError(f"--devices={_DEVICES.value} must be at least 1 (simulated CPU devices per run).")
@@ -94,7 +99,7 @@ def sweep_dir(recipe: Recipe) -> Path:
 def check_write(recipes: list[Recipe]) -> None:
   """Refuse --write where the docs would not be a recipe's, before any run starts (not after an hour)."""
   changed = (_GRID.value, _SEEDS.value, _SEED_FIELD.value, _BASELINE.value, _MATCH.value, _BUDGET.value is not None,
-             _DEVICES.value, _FIGURE.value)
+             _BEST_WITHIN.value, _DEVICES.value, _FIGURE.value)
   if not _RECIPE.value or any(changed):
     raise ValueError("--write takes --recipe (a name or all) and --set only: the docs hold the recipes' runs, "
                      "and each figure goes to <folder>/<recipe>.png.")
