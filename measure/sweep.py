@@ -8,6 +8,7 @@ command that made it (MARKER), so running the same sweep again picks up where it
 
 import csv
 import functools
+import hashlib
 import json
 import os
 import re
@@ -58,10 +59,16 @@ def parse_set(entries: list[str], flag: str = "--set") -> dict:
   return fixed
 
 
+MAX_NAME = 200  # characters of a run's directory name; file systems take 255 bytes
+
+
 def run_name(fields: dict) -> str:
-  """A directory name that says what the run varies, e.g. `optimizer.name=adamw,seed=0`."""
-  name = ",".join(f"{k}={v}" for k, v in fields.items())
-  return re.sub(r"[^\w.=,+-]", "_", name)
+  """A directory name that says what the run varies, e.g. `optimizer.name=adamw,seed=0`; a longer one than
+  MAX_NAME cut there and told apart by a digest of the whole."""
+  name = re.sub(r"[^\w.=,+-]", "_", ",".join(f"{k}={v}" for k, v in fields.items()))
+  if len(name) <= MAX_NAME:
+    return name
+  return f"{name[:MAX_NAME - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 # What compute matching holds equal: tokens, training FLOPs, or ("seconds@h100", matched_kind) seconds as

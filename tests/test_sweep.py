@@ -196,6 +196,13 @@ def test_compute_matching_gives_each_run_the_steps_its_budget_buys(tmp_path):
     sweep.check_runs(Recipe("t", "", grid=sweep.parse_grid(["steps=10,20"]), match="tokens", budget=1e6), tmp_path)
 
 
+def test_a_long_run_name_is_cut_and_told_apart_by_a_digest():
+  long = {"curriculum": "40:batch_size=4,model.max_len=64,model.sliding_window=32;80:model.sliding_window=64" * 3}
+  names = {sweep.run_name({**long, "seed": seed}) for seed in range(3)}
+  assert len(names) == 3 and all(len(name) == sweep.MAX_NAME for name in names)
+  assert sweep.run_name({"seed": 0}) == "seed=0"
+
+
 def test_compute_matching_and_tokens_to_target_follow_a_curriculum(tmp_path):
   # 100 steps at batch 2 before the config's own 4 (128 positions a row): the budget buys 100 + 150 steps.
   ramp = Recipe("t", "", fixed={"batch_size": 4, "curriculum": "100:batch_size=2"}, match="tokens",
