@@ -101,6 +101,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.zero_init_out = False  # True: attention output and MLP down projections start at zero (modded-nanogpt)
   c.model.unet_skips = False  # True: the stack's second half adds the first half's outputs back, U-net fashion
   c.model.value_embeds = 0  # k > 0: k token tables mixed into the values of the first and last k layers; 0: off
+  c.model.qk_norm = False  # True: each query and key head RMS-normalised before attention (modded-nanogpt, Qwen3)
   c.model.fp8_head = False  # True: the head's matmul in fp8 (E4M3, gradient E5M2) at fixed scales (modded-nanogpt)
   c.model.logit_softcap = 0.0  # C > 0: output logits z soft-capped to C tanh(z / C) (Gemma 2: 30.0); 0: off
   # D > 0: D multi-token prediction modules after the stack, the k-th predicting token i+k+1 (DeepSeek-V3: 1);

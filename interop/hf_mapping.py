@@ -540,10 +540,10 @@ def hf_config(cfg: ModelConfig, tied: bool, dtype: str = "float32") -> dict:
   if cfg.activation and cfg.activation != cfg.traits.activation:
     raise ValueError(f"model.activation={cfg.activation!r}: the config.json meshlm writes for {cfg.family} names "
                      f"its own {cfg.traits.activation}; export a model trained with model.activation empty.")
-  if cfg.unet_skips or cfg.value_embeds:
-    raise ValueError(f"model.unet_skips={cfg.unet_skips} and model.value_embeds={cfg.value_embeds}: no transformers "
-                     f"architecture for {cfg.family} has U-net skips or value embeddings; export a model trained "
-                     "without them.")
+  if cfg.unet_skips or cfg.value_embeds or cfg.qk_norm:
+    raise ValueError(f"model.unet_skips={cfg.unet_skips}, model.value_embeds={cfg.value_embeds} and model.qk_norm="
+                     f"{cfg.qk_norm}: no transformers architecture for {cfg.family} has U-net skips, value embeddings "
+                     "or query and key norms; export a model trained without them.")
   return mapping_of(cfg).config(cfg, tied, dtype)
 
 

@@ -89,7 +89,8 @@ SPEEDRUN_IDEAS = ((("model.activation", "relu2"), ("model.activation", "gelu")),
                   # the first 40 steps, then also sequences half as long.
                   (("curriculum", SPEEDRUN_WINDOWS), ("curriculum", "")),
                   (("curriculum", f"40:batch_size=4,{SPEEDRUN_WINDOWS[3:]}"), ("curriculum", "")),
-                  (("curriculum", f"40:batch_size=4,model.max_len=64,{SPEEDRUN_WINDOWS[3:]}"), ("curriculum", "")))
+                  (("curriculum", f"40:batch_size=4,model.max_len=64,{SPEEDRUN_WINDOWS[3:]}"), ("curriculum", "")),
+                  (("model.qk_norm", True), ("model.qk_norm", False)))
 
 
 def _stacked(ideas, upto: int) -> dict:
@@ -187,8 +188,8 @@ RECIPES = {r.name: r for r in [
     Recipe("speedrun",
            "The modded-nanogpt speedrun's ideas added one at a time to the tiny GPT-2 at equal tokens: ReLU-squared, "
            "zero-initialised output projections, logits soft-capped at 15, Muon, U-net skips, value embeddings, "
-           "an fp8 head, attention windows growing over training, a batch-size warmup, then a sequence-length "
-           "warmup.",
+           "an fp8 head, attention windows growing over training, a batch-size warmup, a sequence-length warmup, "
+           "then QK-norm.",
            cases=tuple(_stacked(SPEEDRUN_IDEAS, upto) for upto in range(len(SPEEDRUN_IDEAS) + 1)),
            fixed=SHORT_RUN, match="tokens", budget=SHORT_RUN["steps"] * SHORT_RUN["batch_size"] * 128,  # 128 positions
            target_loss=3.0, seeds=FIVE_SEEDS, cumulative=True),

@@ -10,7 +10,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from model.config import ModelConfig
-from model.layers import matmul, out_projection_std, param, soft_capped, zeros
+from model.layers import RMSNorm, matmul, out_projection_std, param, soft_capped, zeros
 from model.placement import constrain, current
 from model.value_embeds import ValueMix, mixed_values
 
@@ -378,6 +378,8 @@ class SelfAttention(nnx.Module):
     self.out_bias = zeros((d,), ("embed",))
     if cfg.value_embeds:
       self.value_mix = ValueMix()
+    if cfg.qk_norm:
+      self.q_norm, self.k_norm = (RMSNorm(h, cfg.epsilon, axis="head_dim") for _ in range(2))
     self.cfg = cfg
 
   def __call__(self, x_BTD: jax.Array, positions_T: jax.Array, segments_BT=None, cache=None,
@@ -388,6 +390,8 @@ class SelfAttention(nnx.Module):
     q_BTNH, k_BTNH, v_BTNH = (
         constrain(qkv_BT3NH[:, :, i], ("batch", "length", "heads", "head_dim")) for i in range(3))
     v_BTNH = mixed_values(self, v_BTNH, value_embed)
+    if self.cfg.qk_norm:
+      q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
     out_BTNH = attention(q_BTNH, k_BTNH, v_BTNH, positions_T, self.cfg, segments_BT, cache, global_layer)
     out_BTD = matmul("btnh,nhd->btd", out_BTNH, self.out_kernel[...], dtype, self.cfg.fp8)
     return out_BTD + self.out_bias[...].astype(dtype)

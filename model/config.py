@@ -36,6 +36,9 @@ class ModelConfig:
   # k > 0: k token tables of value width (model/value_embeds.py); the first k layers and the last k mix table i's
   # rows into their values, each by two learned weights (modded-nanogpt: 3); 0: off
   value_embeds: int = 0
+  # queries and keys RMS-normalised per head, one gain per head width shared by the heads, before rotary (gpt2 and
+  # Llama-style attention; Qwen3's and Gemma 3's have their own as a family trait)
+  qk_norm: bool = False
   attention: str = "auto"  # auto | xla | cudnn | splash (model/attention.py kernel)
   attention_block: int = 512  # positions per query and key block of the xla attention (model/attention.py)
   sliding_window: int = 0  # W > 0: each query sees only the W latest positions up to its own (Mistral); 0: all
@@ -234,6 +237,10 @@ class ModelConfig:
                        f"{self.num_units} units; use an even model.num_layers (or units of moe.every layers).")
     if self.value_embeds:
       self._check_value_embeds()
+    if self.qk_norm and (self.traits.qk_norm or self.traits.model == "gemma.Gemma" or self.mla_kv_rank):
+      raise ValueError(f"model.qk_norm adds query and key norms to gpt2 and Llama-style attention, not to "
+                       f"{self.family}{' with mla.kv_rank' if self.mla_kv_rank else ''}, whose attention "
+                       f"{'normalises them its own way' if self.traits.qk_norm else 'is its own'}; leave it off.")
     if self.mlp_chunk < 0:
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk} must be a number of tokens, or 0 for the whole sequence.")
     if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):

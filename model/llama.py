@@ -26,6 +26,8 @@ class Attention(nnx.Module):
                             std=out_projection_std(cfg))
     if cfg.value_embeds:
       self.value_mix = ValueMix()
+    if cfg.qk_norm:
+      self.q_norm, self.k_norm = (RMSNorm(h, cfg.epsilon, axis="head_dim") for _ in range(2))
     self.cfg = cfg
 
   def project(self, x_BTD):
@@ -39,6 +41,8 @@ class Attention(nnx.Module):
     cfg = self.cfg
     q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
     v_BTKH = mixed_values(self, v_BTKH, value_embed)
+    if cfg.qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg, global_layer), ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg, global_layer), ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))

@@ -44,10 +44,11 @@ FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
             # Dropless routing is per token, so decoding one token at a time routes as the full pass does;
             # every=2 caches both layers of each scanned unit.
             "gpt2 moe": {"moe.experts": 4, "moe.dropless": True, "moe.every": 2},
-            # The speedrun's U-net skips and value embeddings: the cached pass runs the stack in two halves and
-            # mixes the new tokens' value rows into the first and last layers.
-            "llama unet, value embeddings": {"model.family": "llama", "model.kv_heads": 2, "model.num_layers": 4,
-                                             "model.unet_skips": True, "model.value_embeds": 1},
+            # The speedrun's U-net skips, value embeddings and QK-norm: the cached pass runs the stack in two halves,
+            # mixes the new tokens' value rows into the first and last layers, and caches normalised keys.
+            "llama unet, value embeddings, qk norm": {"model.family": "llama", "model.kv_heads": 2,
+                                                      "model.num_layers": 4, "model.unet_skips": True,
+                                                      "model.value_embeds": 1, "model.qk_norm": True},
             # The experts split over `expert`, each token sent to them by all-to-all (the slots with C = T).
             "gpt2 moe expert=2": {"moe.experts": 4, "moe.dropless": True, "mesh.expert": 2, "mesh.tensor": 1}}
 

@@ -20,7 +20,7 @@ from model.value_embeds import layer_tables
 from training.state import build_model, model_config, plan
 
 SPEEDRUN = {"model.activation": "relu2", "model.zero_init_out": True, "model.unet_skips": True,
-            "model.value_embeds": 1, "model.fp8_head": True}
+            "model.value_embeds": 1, "model.fp8_head": True, "model.qk_norm": True}
 # The zeroed projections, and through them the weights before them, take their first updates from gradients near
 # zero, which Adam normalises: the layouts' summation-order differences (1e-7 relative) reach 2.5e-5 of a weight's
 # largest entry after three steps (measured), as LoRA's B, which starts at zero, does (tests/test_lora.py). A layout
@@ -142,6 +142,30 @@ def test_value_embeddings_mix_the_tokens_rows_into_the_values(family):
   assert loss(model) == pytest.approx(loss(doubled), abs=1e-5)  # ... are layer 0's value projection doubled
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(family):
+  options = {**FAMILIES[family], "model.num_layers": 1}
+  model, plain = _built(**options, **{"model.qk_norm": True}), _built(**options)
+  tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, model.cfg.vocab_size)
+  loss = lambda model: float(model(tokens[:, :-1], tokens[:, 1:]))
+  before, plain_before = loss(model), loss(plain)
+
+  def scale_queries_and_keys(model):  # queries x 5, keys x 3, biases with them (the stacked weights' axis 0: layers)
+    attn = model.blocks.attn
+    if family == "gpt2":
+      attn.qkv_kernel[...] = attn.qkv_kernel[...].at[:, :, 0].multiply(5.0).at[:, :, 1].multiply(3.0)
+      attn.qkv_bias[...] = attn.qkv_bias[...].at[:, 0].multiply(5.0).at[:, 1].multiply(3.0)
+    else:
+      attn.q_kernel[...], attn.k_kernel[...] = attn.q_kernel[...] * 5.0, attn.k_kernel[...] * 3.0
+
+  scale_queries_and_keys(model)
+  scale_queries_and_keys(plain)
+  assert loss(model) == pytest.approx(before, abs=1e-5)  # each head normalised: its scale is gone
+  assert abs(loss(plain) - plain_before) > 1e-3  # without the norms the scores grow 15x
+  model.blocks.attn.q_norm.scale[...] = jnp.full_like(model.blocks.attn.q_norm.scale[...], 4.0)
+  assert abs(loss(model) - before) > 1e-3  # the learned gain sets the scores' scale instead
+
+
 def test_the_new_options_refuse_what_they_cannot_do():
   with pytest.raises(ValueError, match=r"model.unet_skips pairs the first half .* it has 3 units; use an even"):
     model_config(tiny_config(**{"model.num_layers": 3, "model.unet_skips": True}))
@@ -153,8 +177,13 @@ def test_the_new_options_refuse_what_they_cannot_do():
   for option, value in (("model.unet_skips", True), ("model.value_embeds", 1)):
     with pytest.raises(ValueError, match=rf"{option}={value}: its layers read values that other pipeline stages hold"):
       plan(tiny_config(**{option: value, "mesh.pipeline": 2, "pipeline.microbatches": 2}), jax.devices()[:2])
-  with pytest.raises(ValueError, match=r"no transformers architecture for gpt2 has U-net skips or value embeddings"):
-    hf_mapping.hf_config(model_config(tiny_config(**{"model.unet_skips": True})), tied=True)
+  with pytest.raises(ValueError, match=r"no transformers architecture for gpt2 has U-net skips, value embeddings "
+                                       "or query and key norms"):
+    hf_mapping.hf_config(model_config(tiny_config(**{"model.qk_norm": True})), tied=True)
+  for family, why in (("qwen3", "normalises them its own way"), ("gemma2", "is its own")):
+    with pytest.raises(ValueError, match=rf"model.qk_norm adds query and key norms to gpt2 and Llama-style attention, "
+                                         rf"not to {family}, whose attention {why}; leave it off"):
+      model_config(tiny_config(**{"model.family": family, "model.qk_norm": True}))
 
 
 def test_the_fp8_head_rounds_each_entry_at_fixed_scales_and_saturates():
