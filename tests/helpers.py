@@ -25,6 +25,7 @@ from model.placement import placed
 from model.stack import unit_of
 from model.transformer import masked_vocab
 from parallel import placement
+from resilience.preemption import StopRequests
 from training.state import abstract_inputs, init_state, plan
 from training.step import loss_and_grads, loss_fn, make_train_step
 
@@ -37,6 +38,17 @@ def tiny_config(**overrides):
   c.model.num_layers, c.model.embed_dim, c.model.mlp_dim, c.model.max_len = 2, 64, 256, 32
   c.batch_size, c.steps, c.schedule.warmup_steps = 16, 10, 2
   return set_fields(c, overrides)
+
+
+def stop_at(step: int) -> type:
+  """StopRequests that a preemption reaches during `step`, as SIGTERM would: patched over run.loop's."""
+
+  class StopAtStep(StopRequests):
+    def requested(self, at_step, every):
+      self.signal_name = "SIGTERM" if at_step == step else None
+      return at_step == step
+
+  return StopAtStep
 
 
 def read_metrics(workdir):

@@ -6,10 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_metrics, tiny_config
+from helpers import read_metrics, stop_at, tiny_config
 from input_pipeline import data
 from resilience import fault_tolerance
-from resilience.preemption import StopRequests
 from run import loop, resume
 from run.loop import train
 from training.checkpoint import Checkpoints
@@ -70,17 +69,9 @@ def straight(straight_run):
   return straight_run[0]
 
 
-class StopAtStep10(StopRequests):
-  """A preemption that arrives during step 10, as SIGTERM would."""
-
-  def requested(self, step, every):
-    self.signal_name = "SIGTERM" if step == 10 else None
-    return step == 10
-
-
 def test_stop_and_resume_is_bit_identical(straight, tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
-    patch.setattr(loop, "StopRequests", StopAtStep10)
+    patch.setattr(loop, "StopRequests", stop_at(10))
     train(config_for(tmp_path, **{"mesh.data": 8}))
   assert max(losses(tmp_path)) == 10
   train(config_for(tmp_path, **{"mesh.data": 8}))

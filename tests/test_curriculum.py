@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from configs.load import set_fields
-from helpers import read_metrics, tiny_config
+from helpers import read_metrics, stop_at, tiny_config
 from input_pipeline import data
 from measure import analysis
-from resilience.preemption import StopRequests
 from run import loop
 from run.loop import train
 from training import curriculum
@@ -100,17 +99,9 @@ def test_each_phase_trains_as_its_own_fields_do_on_one_device(straight, referenc
                              rtol=1e-5)
 
 
-class StopAtStep2(StopRequests):
-  """A preemption during step 2, in the first phase, as SIGTERM would."""
-
-  def requested(self, step, every):
-    self.signal_name = "SIGTERM" if step == 2 else None
-    return step == 2
-
-
 def test_a_run_stopped_in_one_phase_resumes_through_the_next_exactly(straight, tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
-    patch.setattr(loop, "StopRequests", StopAtStep2)
+    patch.setattr(loop, "StopRequests", stop_at(2))  # in the first phase
     train(run_config(tmp_path))
   assert max(losses(tmp_path)) == 2
   train(run_config(tmp_path))
