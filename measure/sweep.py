@@ -454,7 +454,9 @@ def sweep(recipe: Recipe, out: Path, figure: Path | None = None, echo=print) -> 
 
 def recipe_block(recipe: Recipe, table: str, figure: str, command: str) -> str:
   """A recipe's caption, table and figure and the command that made them, as docs/<recipe>.md and --page hold them."""
-  against = "the row before it" if recipe.cumulative else "the baseline cell"
+  against = ("the row before it" if recipe.cumulative else
+             f"the best cell that differs from it in {recipe.best_within} alone" if recipe.best_within else
+             "the baseline cell")
   seeds = (f"Each cell over {len(recipe.seeds)} runs, `{recipe.seed_field}` = {', '.join(map(str, recipe.seeds))}, "
            f"compared with {against} seed by seed (paired t-test); each run's own row is in the sweep's results.md."
            "\n\n" if len(recipe.seeds) > 1 else "")
