@@ -236,6 +236,8 @@ def batches(split: TokenSplit, *, seed: int, start: int, stop: int, shape_at: Ca
             sharding: jax.sharding.Sharding, depth: int) -> Prefetcher:
   """A Prefetcher of global batches for steps [start, stop), step s's of shape_at(s) = (sequences, positions) (a
   curriculum grows them, training/curriculum.py)."""
-  return Prefetcher(lambda step: global_batch(split, seed=seed, step=step, batch_size=shape_at(step)[0],
-                                              seq_len=shape_at(step)[1], sharding=sharding),
-                    start=start, stop=stop, depth=depth)
+  def build(step: int) -> dict:
+    batch_size, seq_len = shape_at(step)
+    return global_batch(split, seed=seed, step=step, batch_size=batch_size, seq_len=seq_len, sharding=sharding)
+
+  return Prefetcher(build, start=start, stop=stop, depth=depth)

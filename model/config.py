@@ -112,6 +112,11 @@ class ModelConfig:
   mup_base_width: int = 0  # muP's base width (model/mup.py); 0: the standard parametrisation
 
   @property
+  def head_qk_norm(self) -> bool:
+    """Whether each query and key head is normalised before rotary: model.qk_norm, or the family's "head" trait."""
+    return self.qk_norm or self.traits.qk_norm == "head"
+
+  @property
   def position_rows(self) -> int:
     """Rows of a learned position table: model.positions, or max_len."""
     return self.positions or self.max_len

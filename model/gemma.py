@@ -43,19 +43,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(llama.Attention):
-  """llama.Attention, with Gemma 3's query and key norms (one (1 + w) gain per head_dim, shared by the heads)."""
+  """llama.Attention, Gemma 3's query and key norms in the (1 + w) form (one gain per head_dim, shared by the heads)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    super().__init__(cfg, rngs)
-    if cfg.traits.qk_norm == "head":
-      self.q_norm = RMSNorm(cfg.head_dim, cfg.epsilon, axis="head_dim")
-      self.k_norm = RMSNorm(cfg.head_dim, cfg.epsilon, axis="head_dim")
-
-  def project(self, x_BTD):
-    q_BTNH, k_BTKH, v_BTKH = super().project(x_BTD)
-    if self.cfg.traits.qk_norm == "head":
-      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    return q_BTNH, k_BTKH, v_BTKH
+  head_norm_class = RMSNorm
 
 
 class Block(nnx.Module):

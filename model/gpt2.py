@@ -5,7 +5,7 @@ from flax import nnx
 
 from model.attention import SelfAttention
 from model.config import ModelConfig
-from model.layers import INIT_STD, LayerNorm, head_matmul, matmul, param, vocab_param
+from model.layers import INIT_STD, LayerNorm, head_matmul, param, vocab_param
 from model.mlp import Mlp
 from model.moe import MoE
 from model.placement import constrain

@@ -15,7 +15,11 @@ from model.value_embeds import ValueMix, mixed_values
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with rotary positions; K key/value heads serve N query heads."""
+  """Grouped-query attention with rotary positions; K key/value heads serve N query heads. Where the family's
+  trait or model.qk_norm asks, each query and key head is normalised before rotary by `head_norm_class` (one gain
+  per head_dim, shared by the heads: Qwen3's RMSNorm, Gemma 3's (1 + w) form)."""
+
+  head_norm_class = RMSNorm
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -26,12 +30,13 @@ class Attention(nnx.Module):
                             std=out_projection_std(cfg))
     if cfg.value_embeds:
       self.value_mix = ValueMix()
-    if cfg.qk_norm:
-      self.q_norm, self.k_norm = (RMSNorm(h, cfg.epsilon, axis="head_dim") for _ in range(2))
+    if cfg.head_qk_norm:
+      self.q_norm, self.k_norm = (self.head_norm_class(h, cfg.epsilon, axis="head_dim") for _ in range(2))
     self.cfg = cfg
 
   def project(self, x_BTD):
-    """Queries, keys and values before rotary positions: a family that adds biases or norms extends this."""
+    """Queries, keys and values before their per-head norms and rotary positions: a family that adds biases or
+    other norms extends this."""
     cfg, dtype = self.cfg, self.cfg.dtype
     return (matmul("btd,dnh->btnh", x_BTD, self.q_kernel[...], dtype, cfg.fp8),
             matmul("btd,dkh->btkh", x_BTD, self.k_kernel[...], dtype, cfg.fp8),
@@ -40,9 +45,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD, positions_T, segments_BT=None, cache=None, global_layer=None, value_embed=None):
     cfg = self.cfg
     q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
-    v_BTKH = mixed_values(self, v_BTKH, value_embed)
-    if cfg.qk_norm:
+    if cfg.head_qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    v_BTKH = mixed_values(self, v_BTKH, value_embed)
     q_BTNH = constrain(rotary(q_BTNH, positions_T, cfg, global_layer), ("batch", "length", "heads", "head_dim"))
     k_BTKH = constrain(rotary(k_BTKH, positions_T, cfg, global_layer), ("batch", "length", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "length", "kv_heads", "head_dim"))

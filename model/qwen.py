@@ -11,11 +11,12 @@ from flax import nnx
 
 from model import llama
 from model.config import ModelConfig
-from model.layers import RMSNorm, zeros
+from model.layers import zeros
 
 
 class Attention(llama.Attention):
-  """llama.Attention with the family's query/key/value biases (qwen2) or query/key norms (qwen3)."""
+  """llama.Attention with the family's query/key/value biases (qwen2); Qwen3's query and key norms are
+  llama.Attention's (its qk_norm trait)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     super().__init__(cfg, rngs)
@@ -24,17 +25,12 @@ class Attention(llama.Attention):
       self.q_bias = zeros((n, h), ("heads", "head_dim"))
       self.k_bias = zeros((k, h), ("kv_heads", "head_dim"))
       self.v_bias = zeros((k, h), ("kv_heads", "head_dim"))
-    if cfg.traits.qk_norm == "head":
-      self.q_norm = RMSNorm(h, cfg.epsilon, axis="head_dim")
-      self.k_norm = RMSNorm(h, cfg.epsilon, axis="head_dim")
 
   def project(self, x_BTD):
     q_BTNH, k_BTKH, v_BTKH = super().project(x_BTD)
     if self.cfg.traits.qkv_bias:
       q_BTNH, k_BTKH, v_BTKH = (x + bias[...].astype(x.dtype) for x, bias in (
           (q_BTNH, self.q_bias), (k_BTKH, self.k_bias), (v_BTKH, self.v_bias)))
-    if self.cfg.traits.qk_norm == "head":
-      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     return q_BTNH, k_BTKH, v_BTKH
 
 
