@@ -26,7 +26,7 @@ from model.stack import unit_of
 from model.transformer import masked_vocab
 from parallel import placement
 from resilience.preemption import StopRequests
-from training.state import abstract_inputs, init_state, plan
+from training.state import abstract_inputs, param_draw, plan, state_from_params
 from training.step import loss_and_grads, loss_fn, make_train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +66,25 @@ def batch_at(config, layout, step):
                            seq_len=config.model.max_len, sharding=layout.batch_sharding)
 
 
+_DRAWN = {}
+
+
+def fresh_state(layout, seed):
+  """init_state's step 0, its parameters drawn once per model on one device and put into the layout's shardings.
+  The draw does not depend on the layout (test_model_init.py holds init_state on meshes to it), so this compiles
+  it once per model and seed rather than once per layout (about a second each)."""
+  dtypes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(layout.abstract_state["params"]))
+  key = (layout.model, seed, dtypes)
+  if key not in _DRAWN:
+    _DRAWN[key] = jax.device_get(jax.jit(param_draw(layout, seed))())
+  return state_from_params(layout, jax.device_put(_DRAWN[key], layout.param_shardings), seed)
+
+
 def setup(overrides, devices):
   """Config, layout, fresh state and the first batch for a layout."""
   config = tiny_config(**overrides)
   layout = plan(config, devices)
-  return config, layout, init_state(layout, config.seed), batch_at(config, layout, 0)
+  return config, layout, fresh_state(layout, config.seed), batch_at(config, layout, 0)
 
 
 def objective_and_gradients(layout, grad_accum=1):

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from configs.load import set_fields
-from helpers import read_metrics, stop_at, tiny_config
+from helpers import fresh_state, read_metrics, stop_at, tiny_config
 from input_pipeline import data
 from measure import analysis
 from run import loop
 from run.loop import train
 from training import curriculum
-from training.state import init_state, model_config, plan
+from training.state import model_config, plan
 from training.step import compile_train_step
 from training.validate import check_run
 
@@ -37,7 +37,7 @@ def by_hand_on_one_device(config) -> tuple[dict, list]:
   phases = curriculum.phases(set_fields(config, {"mesh.data": 1}))
   layouts = [plan(phase.config, devices) for phase in phases]
   steps = [compile_train_step(layout, phase.config) for layout, phase in zip(layouts, phases)]
-  state, split, out = init_state(layouts[-1], config.seed), data.open_split(config.data, "train", vocab_size=256), {}
+  state, split, out = fresh_state(layouts[-1], config.seed), data.open_split(config.data, "train", vocab_size=256), {}
   for step in range(config.steps):
     i = curriculum.phase_at(phases, step)
     batch = data.global_batch(split, seed=config.seed, step=step, batch_size=phases[i].config.batch_size,

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import ROOT, data_config, tiny_config, write_corpus
+from helpers import ROOT, data_config, fresh_state, tiny_config, write_corpus
 from input_pipeline import data, prepare, token_files, tokenizer
 from run.loop import train
-from training.state import init_state, plan
+from training.state import plan
 from training.step import loss_fn
 
 B, T = 8, 16
@@ -330,9 +330,9 @@ def test_data_seed_sets_the_order_and_seed_the_weights(seed, data_seed, tmp_path
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=data_seed, step=0, batch_size=config.batch_size,
                             seq_len=config.model.max_len, sharding=layout.batch_sharding)
-  expected = jax.jit(lambda p, b: loss_fn(layout, p, b))(init_state(layout, seed)["params"], batch)
+  expected = jax.jit(lambda p, b: loss_fn(layout, p, b))(fresh_state(layout, seed)["params"], batch)
   assert logged == pytest.approx(float(expected), rel=1e-6)
   other = data.global_batch(split, seed=seed, step=0, batch_size=config.batch_size, seq_len=config.model.max_len,
                             sharding=layout.batch_sharding)
-  assert float(jax.jit(lambda p, b: loss_fn(layout, p, b))(init_state(layout, seed)["params"], other)) != \
+  assert float(jax.jit(lambda p, b: loss_fn(layout, p, b))(fresh_state(layout, seed)["params"], other)) != \
       pytest.approx(logged, rel=1e-4)  # the other seed's batch gives another loss: the check has teeth

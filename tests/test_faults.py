@@ -17,12 +17,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import ROOT, batch_at, logged_steps, read_metrics, tiny_config, wait_for
+from helpers import ROOT, batch_at, fresh_state, logged_steps, read_metrics, tiny_config, wait_for
 from input_pipeline import data
 from input_pipeline.token_files import write_token_folder
 from run.loop import train
 from training.checkpoint import Checkpoints
-from training.state import abstract_inputs, init_state, plan
+from training.state import abstract_inputs, plan
 from training.step import compile_train_step, make_train_step
 
 
@@ -234,7 +234,7 @@ def test_a_step_whose_update_alone_is_not_finite_is_skipped():
   # loss and gradient finite and only the update NaN, which once reached the weights and the checkpoint.
   config = config_for("unused", **{"optimizer.lr": float("nan"), "mesh.data": 1})
   layout = plan(config, jax.devices()[:1])
-  state = init_state(layout, config.seed)
+  state = fresh_state(layout, config.seed)
   before = jax.device_get(state)
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
@@ -438,7 +438,7 @@ def test_the_scalar_guard_leaves_the_state_as_it_was_after_a_non_finite_loss_or_
   overrides = {"precision.compute": "float16", "precision.loss_scale": 2.0**40} if fault == "inf gradient" else {}
   config = config_for("unused", **{"mesh.data": 1, "nonfinite_check": "scalars", **overrides})
   layout = plan(config, jax.devices()[:1])
-  state = init_state(layout, config.seed)
+  state = fresh_state(layout, config.seed)
   before = jax.device_get(state)
   batch = batch_at(config, layout, 0)
   if fault == "nan loss":

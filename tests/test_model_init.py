@@ -1,5 +1,5 @@
-"""Initialisation: the vocabulary's padding starts (and so stays) zero, in every family; and every field of
-config.model reaches the model's description."""
+"""Initialisation: the vocabulary's padding starts (and so stays) zero, in every family; every field of
+config.model reaches the model's description; and the parameters drawn on a mesh are those drawn on one device."""
 
 import importlib
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from configs.gpt2 import get_config
+from helpers import fresh_state, tiny_config
 from training.state import init_state, model_config, plan
 
 
@@ -36,3 +37,22 @@ def test_every_field_of_config_model_reaches_the_model():
   config.model.update(flipped)
   cfg = model_config(config)
   assert {key: getattr(cfg, key) for key in config.model} == config.model.to_dict()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"mesh.data": 4, "mesh.tensor": 2},
+    {"mesh.data": 8, "sharding.zero": 3},
+    {"mesh.pipeline": 2, "mesh.data": 4, "model.num_layers": 4, "pipeline.schedule": "interleaved",
+     "pipeline.virtual_stages": 2},
+    {"model.family": "llama", "model.kv_heads": 2, "moe.experts": 4, "mesh.expert": 4, "mesh.data": 2}],
+    ids=["data x tensor", "zero-3", "interleaved pipeline", "llama moe over expert"])
+def test_parameters_drawn_on_a_mesh_are_those_drawn_on_one_device(overrides):
+  # helpers.fresh_state draws the tests' parameters once on one device and moves them onto each layout: that
+  # holds only while the draw is blind to the shardings it is compiled for.
+  config = tiny_config(**overrides)
+  layout = plan(config)
+  drawn_on_mesh = jax.device_get(init_state(layout, config.seed))
+  moved = jax.device_get(fresh_state(layout, config.seed))
+  assert jax.tree.structure(drawn_on_mesh) == jax.tree.structure(moved)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(drawn_on_mesh), jax.tree.leaves(moved)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

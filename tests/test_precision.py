@@ -8,21 +8,21 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from helpers import assert_tree_close, batch_at, gradients, read_metrics, tiny_config
+from helpers import assert_tree_close, batch_at, fresh_state, gradients, read_metrics, tiny_config
 from measure import analysis
 from model import fp8
 from parallel.checks import check_backend
 from input_pipeline import data
 from run.loop import train
 from training import loss_scale
-from training.state import abstract_inputs, init_state, model_config, plan
+from training.state import abstract_inputs, model_config, plan
 from training.step import compile_train_step, make_train_step
 
 
 def first_step(compute):
   config = tiny_config(**{"precision.compute": compute, "mesh.data": 4, "mesh.tensor": 2})
   layout = plan(config)
-  state = init_state(layout, config.seed)
+  state = fresh_state(layout, config.seed)
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
                             seq_len=config.model.max_len, sharding=layout.batch_sharding)
@@ -49,7 +49,7 @@ def one_device(**overrides):
   split = data.open_split(config.data, "train", vocab_size=config.model.vocab_size)
   batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
                             seq_len=config.model.max_len, sharding=layout.batch_sharding)
-  return config, layout, init_state(layout, config.seed), make_train_step(layout, config), batch
+  return config, layout, fresh_state(layout, config.seed), make_train_step(layout, config), batch
 
 
 def test_fp16_loss_scaling_skips_overflow_and_recovers_without_a_trace():
@@ -180,7 +180,7 @@ def remat_figures(policy):
   batch = data.global_batch(split, seed=0, step=0, batch_size=config.batch_size,
                             seq_len=config.model.max_len, sharding=layout.batch_sharding)
   temp = analysis.memory_summary(compile_train_step(layout, config))["temp_bytes"]
-  return gradients(layout, init_state(layout, config.seed)["params"], batch), temp
+  return gradients(layout, fresh_state(layout, config.seed)["params"], batch), temp
 
 
 @pytest.mark.parametrize("policy", ["full", "full_offload", "save_dots", "save_attention", "offload"])

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, fresh_state, tiny_config
 from measure import analysis
 from model.kv_cache import init_cache
 from parallel.mesh import EXPERT
 from training.checkpoint import Checkpoints
 from training.sample import decode_batch, generate, make_sampler
-from training.state import init_state, plan
+from training.state import plan
 
 PROMPT = np.array([100, 101, 102, 32, 40, 41, 58], np.int32)  # "def ():"
 FAMILIES = {"gpt2": {}, "llama": {"model.family": "llama", "model.kv_heads": 2},
@@ -68,7 +68,7 @@ def full_forward_logits(layout, params, tokens_T):
 def test_cached_greedy_decoding_equals_full_recompute(family):
   config = tiny_config(**{"mesh.data": 2, "mesh.tensor": 2, **FAMILIES[family]})
   layout = plan(config, jax.devices()[:4])
-  params = init_state(layout, config.seed)["params"]
+  params = fresh_state(layout, config.seed)["params"]
   batch = decode_batch(layout, 1)
   sampler = make_sampler(layout, batch=batch, prompt_len=len(PROMPT), num_tokens=12, keep_logits=True)
   prompt_BP, key = np.tile(PROMPT, (batch, 1)), jax.random.key(0)
@@ -98,7 +98,7 @@ def test_expert_parallel_decoding_exchanges_tokens_without_regathering_them(capf
   config = tiny_config(**moe, **{"mesh.expert": 4, "mesh.data": 2})
   layout = plan(config)
   batch = decode_batch(layout, 1)
-  params = init_state(layout, config.seed)["params"]
+  params = fresh_state(layout, config.seed)["params"]
   sampler = make_sampler(layout, batch=batch, prompt_len=len(PROMPT), num_tokens=6, keep_logits=True)
   prompt_BP, key = np.tile(PROMPT, (batch, 1)), jax.random.key(0)
   capfd.readouterr()
@@ -133,7 +133,7 @@ def test_requests_the_cache_cannot_hold_are_refused():
 def test_sample_cli_continues_a_checkpoint_on_another_mesh(tmp_path):
   config = tiny_config(**{"mesh.data": 8, "workdir": str(tmp_path)})
   checkpoints = Checkpoints(str(tmp_path), every=1, keep=1)
-  checkpoints.save_now(1, init_state(plan(config), config.seed), config)
+  checkpoints.save_now(1, fresh_state(plan(config), config.seed), config)
   checkpoints.close()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   result = subprocess.run([sys.executable, "sample.py", f"--workdir={tmp_path}", "--prompt=import",

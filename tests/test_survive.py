@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, tiny_config
+from helpers import ROOT, fresh_state, tiny_config
 from input_pipeline import data
 from parallel.distributed import free_port
 from resilience import survive
@@ -20,7 +20,7 @@ from resilience.state_transfer import local_move_suffices, move_state, relocate,
 from resilience.survive import Survivor, shrunk_config, spread
 from resilience.survive_events import ProcessesRejoined
 from resilience.surviving_checkpoints import SurvivingCheckpoints
-from training.state import abstract_inputs, init_state, plan
+from training.state import abstract_inputs, plan
 
 TWO_PER_PROCESS = lambda device: device.id // 2  # 8 devices as 4 processes of 2, as tools/launch.py starts them
 
@@ -103,7 +103,7 @@ def test_survivors_too_few_for_one_replica_are_refused_in_a_sentence():
 
 def test_the_state_moves_onto_the_live_devices_unchanged():
   config = tiny_config(**{"mesh.data": 8, "batch_size": 24})
-  state = init_state(plan(config), seed=0)
+  state = fresh_state(plan(config), seed=0)
   smaller, _ = shrunk_config(config, {"data": 8, "pipeline": 1, "expert": 1, "sequence": 1, "tensor": 1}, 6)
   layout = plan(smaller, devices=jax.devices()[:6])
   moved = move_state(state, layout)
@@ -122,7 +122,7 @@ def test_hybrid_sharding_regroups_over_the_live_devices_and_back_with_its_values
                           smaller.grad_accum) == (6, 1, 2, 2)
   after = plan(smaller, devices=jax.devices()[:6])
   assert dict(after.mesh.shape)["expert"] == 2 and not local_move_suffices(before, after, TWO_PER_PROCESS)
-  state = init_state(before, seed=0)
+  state = fresh_state(before, seed=0)
   expected = jax.tree.leaves(jax.device_get(state))
   regrouped = relocate(state, before, after, jax.devices()[:6])
   grown = relocate(regrouped, after, before, jax.devices())
@@ -151,7 +151,7 @@ def test_a_grown_mesh_gives_the_returning_devices_a_survivors_state(before, shru
   smaller, _ = shrunk_config(config, shape, 6)
   assert (smaller.mesh.data, smaller.grad_accum) == (shrunk["data"], shrunk["grad_accum"])
   survivors = plan(smaller, devices=jax.devices()[:6])
-  state = init_state(survivors, seed=1)
+  state = fresh_state(survivors, seed=1)
   grown, why = shrunk_config(config, shape, 8)
   assert why is None and (grown.mesh.data, grown.mesh.tensor, grown.grad_accum) == (
       config.mesh.data, config.mesh.tensor, config.grad_accum)
@@ -184,7 +184,7 @@ def survived_losses(monkeypatch, live_counts):
   monkeypatch.setattr(survive, "survival_problem", lambda layout: None)  # one process, standing in for several
   survivor = Survivor(config, layout, data.open_split(config.data, "train", vocab_size=config.model.vocab_size),
                       evaluate=None, eval_due=lambda done: False)
-  losses = [float(finished.metrics["loss"]) for finished in survivor.steps(init_state(layout, seed=0), 0, NeverStop())]
+  losses = [float(finished.metrics["loss"]) for finished in survivor.steps(fresh_state(layout, seed=0), 0, NeverStop())]
   return losses, survivor
 
 
@@ -210,7 +210,7 @@ def test_a_restarted_process_rejoins_on_the_grown_layout_and_trains_on_from_the_
   monkeypatch.setattr(survive, "live_devices", lambda devices: contextlib.nullcontext(jax.devices()))
   monkeypatch.setattr(survive, "survival_problem", lambda layout: None)  # one process, standing in for several
   uninterrupted = list(Survivor(config, layout, split, evaluate=None, eval_due=lambda done: False)
-                       .steps(init_state(layout, seed=0), 0, NeverStop()))
+                       .steps(fresh_state(layout, seed=0), 0, NeverStop()))
   asked = []
 
   def sent_by_a_live_replica(state, layout, holders):
@@ -273,7 +273,7 @@ def test_a_shard_no_live_device_holds_is_refused_in_a_sentence():
   # ZeRO-3 over all 8 devices, 2 of them lost: their shards have no other copy.
   layout = plan(tiny_config(**{"mesh.data": 8, "sharding.zero": 3}))
   with pytest.raises(ValueError, match=r"^a shard of a state leaf of shape .* has no copy on the live devices"):
-    share_state(init_state(layout, seed=0), layout, holders=jax.devices()[:6])
+    share_state(fresh_state(layout, seed=0), layout, holders=jax.devices()[:6])
 
 
 def test_a_peer_late_by_more_than_a_heartbeat_is_waited_for_not_abandoned(tmp_path):

@@ -5,11 +5,11 @@ import math
 import jax
 import numpy as np
 
-from helpers import STEPS, assert_params_close, read_metrics, tiny_config
+from helpers import STEPS, assert_params_close, fresh_state, read_metrics, tiny_config
 from input_pipeline import data
 from run.loop import train
 from training.in_flight import StepsInFlight
-from training.state import init_state, plan
+from training.state import plan
 from training.step import make_train_step
 
 
@@ -30,7 +30,7 @@ def train_on(grad_accum, batches):
   config = tiny_config(**{"grad_accum": grad_accum, "batch_size": len(batches[0]), "mesh.data": 4,
                           "mesh.tensor": 2})
   layout = plan(config)
-  state, step = init_state(layout, config.seed), make_train_step(layout, config)
+  state, step = fresh_state(layout, config.seed), make_train_step(layout, config)
   for rows in batches:
     batch = {"inputs": jax.device_put(rows[:, :-1], layout.batch_sharding),
              "targets": jax.device_put(rows[:, 1:], layout.batch_sharding)}

@@ -6,6 +6,7 @@ the module inside the trace.
 """
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -178,15 +179,21 @@ def init_state(layout: Layout, seed: int) -> dict:
 
 
 def initial_params(layout: Layout, seed: int) -> dict:
-  """Fresh parameters drawn from `seed` (in the state's dtypes: LoRA's frozen base may be narrower), created
-  directly in their shardings."""
+  """Fresh parameters drawn from `seed`, created directly in their shardings."""
+  return jax.jit(param_draw(layout, seed), out_shardings=layout.param_shardings)()
 
-  def init():
+
+def param_draw(layout: Layout, seed: int) -> Callable[[], dict]:
+  """The function, to trace under jit, that draws fresh parameters from `seed` in the state's dtypes (LoRA's
+  frozen base may be narrower). Threefry is partitionable, so the values do not depend on the shardings the
+  draw is compiled for."""
+
+  def draw():
     with nnx.use_eager_sharding(False):
       params = nnx.to_pure_dict(nnx.state(build_model(layout.model, seed), nnx.Param))
     return jax.tree.map(lambda p, want: p.astype(want.dtype), params, layout.abstract_state["params"])
 
-  return jax.jit(init, out_shardings=layout.param_shardings)()
+  return draw
 
 
 def base_params(layout: Layout, pretrained, seed: int) -> dict:
