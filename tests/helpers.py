@@ -1,6 +1,7 @@
 """What the tests share: the repository root, the tiny config, a run's metrics.jsonl records, and the
 equivalence harness that holds a layout's loss, gradients and parameters to one device's."""
 
+import dataclasses
 import json
 import os
 import re
@@ -74,7 +75,8 @@ def fresh_state(layout, seed):
   The draw does not depend on the layout (test_model_init.py holds init_state on meshes to it), so this compiles
   it once per model and seed rather than once per layout (about a second each)."""
   dtypes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(layout.abstract_state["params"]))
-  key = (layout.model, seed, dtypes)
+  # The loss's chunk follows each layout's tokens per device; the parameters never read it.
+  key = (dataclasses.replace(layout.model, loss_chunk=1), seed, dtypes)
   if key not in _DRAWN:
     _DRAWN[key] = jax.device_get(jax.jit(param_draw(layout, seed))())
   return state_from_params(layout, jax.device_put(_DRAWN[key], layout.param_shardings), seed)
